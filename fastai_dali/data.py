@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from fastcore.basics import *
 from fastcore.meta import delegates
+from fastcore.foundation import L
+from functools import partial
 from fastai.data.core import DataLoaders, Datasets
 from fastai.data.block import DataBlock, CategoryBlock
 from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter

@@ -69,6 +69,7 @@ def _bad_file(msg, files):
     "The file a DALI error message names, else the first of `files` PIL cannot open"
     named = [f for f in files if str(f) in msg]
     if named: return max(named, key=lambda f: len(str(f)))
+    if not any(k in msg for k in ('decod', 'nvImageCodec', 'image', 'file', 'File')): return None
     from PIL import Image
     for f in files:
         try:
@@ -155,10 +156,10 @@ def _build(self:DaliDL):
                            num_shards=self.num_shards, log=log, batch_size=self.bs, num_threads=self.num_threads,
                            device_id=dali_device_id(self.device or 'cpu'), seed=self.seed+self._n_builds,
                            prefetch_queue_depth=self.prefetch)
-    try: pipe.build()
-    except RuntimeError as e: raise dali_read_error(e, files) from None
     policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
-    it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=policy, auto_reset=False)
+    # Building the iterator runs the first batch: reading errors can surface here already
+    try: it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=policy, auto_reset=False)
+    except RuntimeError as e: raise dali_read_error(e, files) from None
     self._dali = (it, plan, log, self._signature(), files)
     self._n_builds += 1
     return self._dali

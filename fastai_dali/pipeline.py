@@ -25,7 +25,7 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
                               name='Reader')  # DALI forbids stick_to_shard with shuffle_after_epoch
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
     img = fn.decoders.image(jpegs, device='mixed' if gpu and not plan.python else 'cpu', output_type=_color[plan.mode])
-    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode)
+    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs))
     img = plan(img, g)
     if log is not None: log.extend(g.log)
     return img, (y.gpu() if gpu else y)

@@ -48,10 +48,11 @@ def dali_batch_tfm(*tfm_types):
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation"
-    def __init__(self, train:bool, gpu:bool, mode='RGB'): store_attr(); self.log = L()
+    def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None): store_attr(); self.log = L()
     def hw(self, img):
         "Current height and width of `img`, as CPU int DataNodes"
-        sh = img.shape(device='cpu')
+        # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
+        sh = self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
         return sh[0], sh[1]
     def note(self, tfm, how, detail=''): self.log.append((type(tfm).__name__, how, detail))
 
@@ -120,7 +121,8 @@ def _resize(tfm, img, g):
         return fn.resize(img, **kw)
     if tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Zeros:
         g.note(tfm, 'native', 'fn.slice (pad with 0) + fn.resize')
-        img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW', out_of_bounds_policy='pad', fill_values=0)
+        img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW',
+                       normalized_anchor=False, normalized_shape=False, out_of_bounds_policy='pad', fill_values=0)
         return fn.resize(img, **kw)
     if _reflect_pad(tfm):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
