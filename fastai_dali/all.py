@@ -11,3 +11,7 @@ from .transforms import *
 from .pipeline import *
 from .loader import *
 from .data import *
+
+# %% ../nbs/05_all.ipynb #c003
+from . import core, transforms, pipeline, loader, data
+__all__ = [n for m in (core, transforms, pipeline, loader, data) for n in m.__all__]

@@ -11,6 +11,7 @@ from fastcore.basics import *
 from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
+from .pipeline import track_pipeline
 from .demo import loader_throughput
 
 # %% auto #0
@@ -36,7 +37,7 @@ def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=No
     "A `DALIGenericIterator` over `raw_dali_pipeline`, yielding `(x, y)` like a fastai loader"
     pipe = raw_dali_pipeline(files, labels, size=size, shuffle=shuffle, batch_size=bs,
                              num_threads=num_threads or default_num_threads(), device_id=dali_device_id(device), seed=seed)
-    pipe.build()
+    track_pipeline(pipe)
     it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL,
                              auto_reset=True)
     return ((d[0]['x'], d[0]['y']) for d in it)

@@ -156,6 +156,7 @@ def _build(self:DaliDL):
                            num_shards=self.num_shards, log=log, batch_size=self.bs, num_threads=self.num_threads,
                            device_id=dali_device_id(self.device or 'cpu'), seed=self.seed+self._n_builds,
                            prefetch_queue_depth=self.prefetch)
+    track_pipeline(pipe)
     policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
     # Building the iterator runs the first batch: reading errors can surface here already
     try: it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=policy, auto_reset=False)

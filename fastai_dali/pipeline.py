@@ -11,7 +11,7 @@ from .core import *
 from .transforms import *
 
 # %% auto #0
-__all__ = ['fastai_pipeline']
+__all__ = ['fastai_pipeline', 'track_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
@@ -29,3 +29,15 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     img = plan(img, g)
     if log is not None: log.extend(g.log)
     return img, (y.gpu() if gpu else y)
+
+# %% ../nbs/02_pipeline.ipynb #c006
+import os, weakref
+_live_pipes, _inherited = weakref.WeakSet(), []
+
+def track_pipeline(pipe):
+    "Register `pipe` so a forked child never destroys its copy"
+    _live_pipes.add(pipe)
+    return pipe
+
+def _keep_in_child(): _inherited.extend(_live_pipes)
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)

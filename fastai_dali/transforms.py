@@ -18,8 +18,8 @@ from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
 # %% auto #0
-__all__ = ['dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window', 'PythonItemTfm',
-           'python_item_tfm', 'item_translation', 'DaliPlan']
+__all__ = ['exact_resize_crop', 'dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window',
+           'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
 
 # %% ../nbs/01_transforms.ipynb #c005
 _item_translations, _batch_translations = {}, {}
@@ -62,10 +62,19 @@ class OutputSpec:
     def __init__(self, n_ch=3):
         self.n_ch,self.float,self.chw = n_ch,False,False
         self.mean,self.std = [0.]*n_ch,[1.]*n_ch
+        self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
 
     def __call__(self, img):
+        kw = {} if self.crop is None else dict(zip(('crop_h','crop_w','crop_pos_y','crop_pos_x'), self.crop))
         return fn.crop_mirror_normalize(img, dtype=types.FLOAT if self.float else types.UINT8,
-                                        output_layout='CHW' if self.chw else 'HWC', mean=self.mean, std=self.std)
+                                        output_layout='CHW' if self.chw else 'HWC', mean=self.mean, std=self.std, **kw)
+
+    def flush_crop(self, img):
+        "Apply a pending crop now (an item transform needs the cropped image)"
+        if self.crop is None: return img
+        h,w,py,px = self.crop
+        self.crop = None
+        return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=py, crop_pos_x=px)
 
 # %% ../nbs/01_transforms.ipynb #c014
 @dali_item_tfm(ToTensor)
@@ -108,14 +117,21 @@ def _np_crop_pad(img, win, mode='reflect'):
     return np.ascontiguousarray(np.pad(img[max(y0,0):min(y0+h,H), max(x0,0):min(x0+w,W)], pads, mode=mode))
 
 # %% ../nbs/01_transforms.ipynb #c020
+exact_resize_crop = False  # True: fastai's exact crop window via a ROI resize (slower on the GPU, see above)
+
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
 
 @dali_item_tfm(Resize, python=_reflect_pad)
 def _resize(tfm, img, g):
-    H,W = g.hw(img)
-    y0,x0,ch,cw = resize_window(tfm, H, W, g.train)
     w,h = tfm.size
     kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True)
+    if tfm.method == ResizeMethod.Crop and not exact_resize_crop:
+        g.note(tfm, 'native', f'fn.resize to cover {h}x{w}, crop in crop_mirror_normalize')
+        pos = (fn.random.uniform(range=[0.,1.]), fn.random.uniform(range=[0.,1.])) if g.train else (0.5, 0.5)
+        g.out.crop = (h, w) + pos
+        return fn.resize(img, mode='not_smaller', **kw)
+    H,W = g.hw(img)
+    y0,x0,ch,cw = resize_window(tfm, H, W, g.train)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
         return fn.resize(img, **kw)
@@ -128,7 +144,7 @@ def _resize(tfm, img, g):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
         img = fn.python_function(img, _f32(y0,x0,ch,cw), function=_np_crop_pad, output_layouts='HWC')
         return fn.resize(img, **kw)
-    # Crop, and Pad with PadMode.Border: a ROI outside the image samples the clamped edge
+    # Crop (exact), and Pad with PadMode.Border: a ROI outside the image samples the clamped edge
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')
     return fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw)
 
@@ -196,6 +212,7 @@ class DaliPlan:
         g.out = self.out
         n_py = max([i+1 for i,(t,f) in enumerate(self.items) if f.python(t)], default=0)
         for i,(t,f) in enumerate(self.items):
+            if f is not _to_tensor: img = self.out.flush_crop(img)
             img = f(t, img, g)
             if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
         return self.out(img)

@@ -1,0 +1,75 @@
+"""Shared fixtures for the parity tests: small ImageNet-style JPEG folders made from scikit-image photos.
+
+Everything is generated under pytest's tmp dir (nothing goes into git). Images are random crops of the photos
+bundled with scikit-image, 40..160 px on each side (so many aspect ratios), saved by PIL as JPEG quality 90.
+Classes get items round-robin, so class sizes are uneven when `n` is not a multiple of the number of classes.
+"""
+import os, warnings
+from pathlib import Path
+
+os.environ.setdefault('MPLBACKEND', 'Agg')
+warnings.filterwarnings('ignore', message='.*torch.jit.script.*', category=FutureWarning)
+
+import numpy as np, pytest
+from PIL import Image
+
+CLASSES = ('cat', 'dog', 'fish')
+_PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry', 'colorwheel')
+_photo_cache = []
+
+def photos():
+    "RGB uint8 photos bundled with scikit-image (no download)"
+    if not _photo_cache:
+        import skimage.data as sd
+        _photo_cache.extend(getattr(sd, n)()[..., :3] for n in _PHOTOS)
+    return _photo_cache
+
+def random_crop(rng, lo=40, hi=160):
+    "A random crop of a random photo, `lo`..`hi` px on each side (independently, so any aspect ratio)"
+    p = photos()[rng.integers(len(photos()))]
+    h,w = (int(o) for o in rng.integers(lo, hi+1, size=2))
+    y,x = (int(o) for o in (rng.integers(0, p.shape[0]-h+1), rng.integers(0, p.shape[1]-w+1)))
+    return np.ascontiguousarray(p[y:y+h, x:x+w])
+
+def save_jpeg(arr, fn, quality=90):
+    fn = Path(fn); fn.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(fn, quality=quality)
+    return fn
+
+def make_image_folder(root, n_train, n_valid, classes=CLASSES, seed=0, lo=40, hi=160):
+    "ImageNet-style `root/{train,valid}/<class>/*.jpg` with `n_train`/`n_valid` images per split"
+    rng,root = np.random.default_rng(seed),Path(root)
+    for split,n in (('train', n_train), ('valid', n_valid)):
+        for c in classes: (root/split/c).mkdir(parents=True, exist_ok=True)
+        for k in range(n):
+            c = classes[k % len(classes)]
+            save_jpeg(random_crop(rng, lo, hi), root/split/c/f'{c}_{split}_{k:03d}.jpg')
+    return root
+
+@pytest.fixture(scope='session')
+def image_folder(tmp_path_factory):
+    "Factory: `image_folder(n_train, n_valid, seed=0)` -> path of a (cached) generated folder"
+    cache = {}
+    def _make(n_train, n_valid, seed=0, classes=CLASSES):
+        key = (n_train, n_valid, seed, tuple(classes))
+        if key not in cache:
+            cache[key] = make_image_folder(tmp_path_factory.mktemp(f'imgs_{n_train}_{n_valid}_{seed}'),
+                                           n_train, n_valid, classes=classes, seed=seed)
+        return cache[key]
+    return _make
+
+@pytest.fixture(scope='session')
+def folder30(image_folder):
+    "30 train + 30 valid images in 3 classes: the folder for pixel parity and training"
+    return image_folder(30, 30)
+
+# Measured DALI-vs-fastai pixel differences, filled by test_parity.py and printed at the end of the run
+PARITY_STATS = {}
+
+def pytest_terminal_summary(terminalreporter):
+    if not PARITY_STATS: return
+    tr = terminalreporter
+    tr.section('DALI vs fastai pixel differences (0..255 units)')
+    tr.write_line(f"{'case':<42}{'mean|d|':>9}{'worst img mean':>16}{'p99.9':>8}{'max|d|':>8}")
+    for k,v in sorted(PARITY_STATS.items()):
+        tr.write_line(f"{k:<42}{v['mean']:>9.3f}{v['img_mean']:>16.3f}{v['p999']:>8.1f}{v['max']:>8.1f}")
