@@ -46,6 +46,14 @@ def _dali_only(dl):
     dl._in_epoch = True  # the loader must rebuild next time
     return gen()
 
+def _exact(dl):
+    import fastai_dali.transforms as T
+    T.exact_resize_crop = True
+    dl._build()  # the graph is read when the pipeline is built
+    T.exact_resize_crop = False
+    dl._in_epoch = False
+    return dl
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--n', type=int, default=10000); ap.add_argument('--device', default='cuda')
@@ -73,10 +81,12 @@ def main():
     # 1. parity with ImageDataLoaders on a small folder, per ResizeMethod (valid: deterministic centre crop)
     small = make_dataset(a.data + '_small', 150, procs=min(16, os.cpu_count()))
     par = {}
-    for name,tfm in [('crop', Resize(a.size)), ('squish', Resize(a.size, method=ResizeMethod.Squish)),
+    import fastai_dali.transforms as T
+    for name,tfm in [('crop', Resize(a.size)), ('crop_exact', Resize(a.size)), ('squish', Resize(a.size, method=ResizeMethod.Squish)),
                      ('pad_zeros', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Zeros)),
                      ('pad_border', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Border)),
                      ('pad_reflection', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Reflection))]:
+        T.exact_resize_crop = name == 'crop_exact'
         dls = DaliDataLoaders.from_folder(small, item_tfms=tfm, bs=16, device=a.device)
         fdls = ImageDataLoaders.from_folder(small, item_tfms=tfm, bs=16, device=a.device, num_workers=0)
         assert dls.vocab == fdls.vocab and list(dls.valid.items) == list(fdls.valid.items)
@@ -90,6 +100,7 @@ def main():
                      'p99_abs_diff_255': float(d.flatten().kthvalue(int(0.99*d.numel())).values), 'n': len(dx),
                      'report': dls.valid.dali_report().how.tolist()}
         print(name, par[name], flush=True)
+    T.exact_resize_crop = False
     res['parity_valid_pixels'] = par
 
     # 2. a short training run on the GPU path
@@ -116,7 +127,10 @@ def main():
         f'ImageDataLoaders train ({a.workers} workers)': lambda: fdls.train,
         'DaliDataLoaders train, DALI iterator alone': lambda: _dali_only(dls.train),
         'DaliDataLoaders train, Squish': lambda: dls_sq.train,
+        'DaliDataLoaders train, exact crop window': lambda: _exact(dls_ex.train),
     }
+    dls_ex = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=Normalize.from_stats(*imagenet_stats),
+                                         bs=a.bs, device=a.device)
     dls_sq = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size, method='squish'),
                                          batch_tfms=Normalize.from_stats(*imagenet_stats), bs=a.bs, device=a.device)
     thr = compare_loaders(loaders, max_batches=a.max_batches, warmup=3, repeats=2)
