@@ -49,6 +49,7 @@ class DaliDataLoaders(DataLoaders):
         kwargs = {**dblock.dls_kwargs, **kwargs, 'verbose': False}
         dls = dsets.dataloaders(path=path, bs=bs, val_bs=val_bs, shuffle=shuffle, device=device, dl_type=DaliDL,
                                 after_item=dblock.item_tfms, after_batch=dblock.batch_tfms, **kwargs)
+        for dl in dls.loaders: dl._files_labels()  # label errors (a valid class missing from train) surface now
         return cls(*dls.loaders, path=dls.path, device=dls.device)
 
 # %% ../nbs/04_data.ipynb #c009

@@ -25,7 +25,7 @@ __all__ = ['DaliReadError', 'dali_read_error', 'DaliDL']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _x_files(ds):
-    "The file of each item of `ds`: the x pipeline up to, not including, its `PILBase.create`"
+    "The file of each item of `ds` (the x pipeline up to its `PILBase.create`), or `None` if some are not files"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
     fs = list(getattr(getattr(tl, 'tfms', None), 'fs', []))
     i = next((i for i,f in enumerate(fs) if getattr(f, '__self__', None) is not None
@@ -34,9 +34,7 @@ def _x_files(ds):
     pre = compose_tfms if i else None
     items = getattr(tl, 'items', L())
     res = [pre(o, tfms=fs[:i]) if pre else o for o in items]
-    bad = [o for o in res if not isinstance(o, (str, Path))]
-    if bad: raise TypeError(f"DaliDL reads images from files, but item {bad[0]!r} is a {type(bad[0]).__name__}, not a path")
-    return res
+    return res if all(isinstance(o, (str, Path)) for o in res) else None  # None: not files (e.g. images in memory)
 
 # %% ../nbs/03_loader.ipynb #c006
 def _pil_mode(ds):
@@ -129,7 +127,7 @@ def _files_labels(self:DaliDL):
     key = id(self.dataset)
     if getattr(self, '_fl_key', None) != key:
         files = _x_files(self.dataset)
-        self._fl,self._fl_key = (files, _y_labels(self.dataset, files)),key
+        self._fl,self._fl_key = (None if files is None else (files, _y_labels(self.dataset, files))),key
     return self._fl
 
 @patch
@@ -188,6 +186,10 @@ def _n_labels(self:DaliDL): return len(self.dataset.tls)-1 if hasattr(self.datas
 # %% ../nbs/03_loader.ipynb #c019
 @patch
 def __iter__(self:DaliDL):
+    if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
+        warnings.warn("DaliDL: these items are not files, so fastai's own pipeline loads them (PIL, in Python)", stacklevel=2)
+        yield from TfmdDL.__iter__(self)
+        return
     self.randomize()
     self.before_iter()
     if self._dali is None or self._in_epoch or self._dali[3] != self._signature(): self._build()
@@ -209,6 +211,9 @@ def __iter__(self:DaliDL):
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"
     import pandas as pd
+    if self._files_labels() is None:
+        return pd.DataFrame([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')],
+                            columns=['stage', 'transform', 'how', 'detail'])
     if self._dali is None or self._dali[3] != self._signature(): self._build()
     _,plan,log,_,_ = self._dali
     return pd.DataFrame(plan.report(log), columns=['stage', 'transform', 'how', 'detail'])
