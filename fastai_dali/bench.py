@@ -4,10 +4,6 @@
 
 # %% ../nbs/07_bench.ipynb #c003
 from __future__ import annotations
-import time, json
-from pathlib import Path
-import numpy as np, torch
-from fastcore.basics import *
 from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *

@@ -9,11 +9,11 @@ from fastcore.basics import *
 from fastcore.meta import delegates
 from fastcore.foundation import L
 from functools import partial
-from fastai.data.core import DataLoaders, Datasets
+from fastai.data.core import DataLoaders
 from fastai.data.block import DataBlock, CategoryBlock
-from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter
+from fastai.data.transforms import get_image_files, parent_label, GrandparentSplitter, RandomSplitter
 from fastai.vision.core import PILImage
-from fastai.vision.data import ImageBlock, ImageDataLoaders
+from fastai.vision.data import ImageBlock
 from .core import *
 from .loader import *
 

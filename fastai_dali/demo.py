@@ -8,7 +8,6 @@ import argparse, time, tempfile
 from pathlib import Path
 import numpy as np, torch
 from PIL import Image
-from fastcore.basics import *
 
 # %% auto #0
 __all__ = ['sample_photos', 'make_image_folder', 'loader_throughput', 'run_demo', 'main']

@@ -4,16 +4,15 @@
 
 # %% ../nbs/03_loader.ipynb #c003
 from __future__ import annotations
-import re, warnings
+import warnings
 from pathlib import Path
-import numpy as np, torch
+import numpy as np
 from fastcore.basics import *
 from fastcore.foundation import L
 from fastcore.meta import delegates
 from fasttransform import compose_tfms
-from fastai.torch_core import to_device, retain_types, default_device
+from fastai.torch_core import to_device, retain_types
 from fastai.data.core import TfmdDL
-from fastai.data.load import DataLoader
 from fastai.vision.core import PILBase
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
@@ -96,7 +95,7 @@ class DaliDL(TfmdDL):
         if num_threads is None: num_threads = default_num_threads()
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
-        self._dali,self._in_epoch = None,False
+        self._dali,self._in_epoch,self._n_builds = None,False,0
 
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
@@ -152,6 +151,7 @@ def _build(self:DaliDL):
     split_idx = getattr(self.dataset, 'split_idx', None)
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
                            num_shards=self.num_shards, log=log, batch_size=self.bs, num_threads=self.num_threads,
+                           # a rebuilt pipeline draws new permutations and augmentations, reproducibly
                            device_id=dali_device_id(self.device or 'cpu'), seed=self.seed+self._n_builds,
                            prefetch_queue_depth=self.prefetch)
     track_pipeline(pipe)
@@ -163,12 +163,10 @@ def _build(self:DaliDL):
     self._n_builds += 1
     return self._dali
 
-DaliDL._n_builds = 0
-
 @patch
 def _release(self:DaliDL):
-    "Drop the pipeline (its threads and buffers go with it)"
-    if self._dali is not None: self._dali = None
+    "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
+    self._dali = None
 
 # %% ../nbs/03_loader.ipynb #c018
 @patch
@@ -192,6 +190,7 @@ def __iter__(self:DaliDL):
         return
     self.randomize()
     self.before_iter()
+    if len(self) == 0: return  # e.g. bs > n with drop_last: fastai yields nothing, and DALI cannot run an empty epoch
     if self._dali is None or self._in_epoch or self._dali[3] != self._signature(): self._build()
     it,plan,_,_,files = self._dali
     self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one rebuilds

@@ -9,8 +9,7 @@ import numpy as np
 from PIL import Image
 from fastcore.basics import *
 from fastcore.foundation import L
-from fasttransform import Transform
-from fastai.vision.core import PILImage, PILImageBW, PILBase
+from fastai.vision.core import PILImage
 from fastai.vision.augment import Resize, ResizeMethod, PadMode
 from fastai.data.transforms import ToTensor, IntToFloatTensor, Normalize
 from .core import *
@@ -100,12 +99,14 @@ def resize_window(tfm, H, W, train):
     "fastai's crop/pad window `(y0, x0, ch, cw)` for `Resize` `tfm` on images of height `H`, width `W`"
     w,h = tfm.size
     if tfm.method == ResizeMethod.Squish: return 0, 0, H, W
-    # Integer form of fastai's `m = min(W/w, H/h)` (max for Pad), `cp_sz = int(m*size)`
-    op = dmath.max if tfm.method == ResizeMethod.Pad else dmath.min
-    cw,ch = op(W, (H*w)//h), op(H, (W*h)//w)
+    # fastai's `m = min(W/w, H/h)` (max for Pad), `cp_sz = int(m*size)`, in float64 as Python computes it: exact
+    # integer arithmetic would differ by a pixel where `W/w*w` rounds below `W`
+    W,H = fn.cast(W, dtype=types.FLOAT64),fn.cast(H, dtype=types.FLOAT64)
+    m = (dmath.max if tfm.method == ResizeMethod.Pad else dmath.min)(W/w, H/h)
+    cw,ch = dmath.floor(m*w),dmath.floor(m*h)
     py,px = (fn.random.uniform(range=[0.,1.]), fn.random.uniform(range=[0.,1.])) if train else (0.5, 0.5)
     # `int()` truncates towards zero, also for the negative offsets of a pad window
-    trunc = lambda p,d: dmath.floor(p*dmath.max(d, 0)) - dmath.floor(p*dmath.max(-d, 0))
+    trunc = lambda p,d: dmath.floor(p*dmath.max(d, 0.)) - dmath.floor(p*dmath.max(-d, 0.))
     return trunc(py, H-ch), trunc(px, W-cw), ch, cw
 
 # %% ../nbs/01_transforms.ipynb #c018
