@@ -51,6 +51,9 @@ from conftest import PARITY_STATS, CLASSES, make_image_folder, random_crop, save
 # The DALI side runs where FASTAI_DALI_TEST_DEVICE says: 'cpu' (CI, DALI's CPU backend) or 'cuda' (a GPU machine,
 # GPU JPEG decode); fastai's side always runs on the CPU. Batches are compared on the CPU.
 DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')
+# Same model, same image, loaded twice: on the GPU the JPEG decoder differs between batch sizes (nvJPEG's hardware
+# decoder takes batches, its CUDA decoder single images) and from the CPU's; measured on an H200 <= 0.0015
+PRED_ATOL = 1e-4 if DEVICE == 'cpu' else 5e-3
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -237,8 +240,9 @@ def test_window_rounding_like_fastai(rounding_folder, monkeypatch, method):
     dd,fd = both(rounding_folder, item_tfms=Resize((40, 56), **METHODS[method]), bs=8)
     x,f = cat(epoch(dd.valid), 0),cat(epoch(fd.valid), 0)
     per_img = ((x-f).abs()*255).flatten(1).mean(1)
-    worst = {Path(p).name: round(v, 2) for p,v in zip(dd.valid_ds.items, per_img.tolist()) if v > 0.6}
-    assert not worst, f"images whose pixels differ from fastai's by more than 0.6/255 on average: {worst}"
+    thr = 0.6 if DEVICE == 'cpu' else 1.8   # GPU: nvJPEG decodes differently (measured up to 1.28 on control shapes)
+    worst = {Path(p).name: round(v, 2) for p,v in zip(dd.valid_ds.items, per_img.tolist()) if v > thr}
+    assert not worst, f"images whose pixels differ from fastai's by more than {thr}/255 on average: {worst}"
 
 # -------------------------------------------------------------------------------------- 3. training on CPU
 class _CountBatches(Callback):
@@ -259,6 +263,7 @@ def trained(folder30):
     # What `vision_learner(..., pretrained=True)` does (it needs weights we cannot download): add the model's stats
     for dls in (dd, fd):
         for _ in range(2): _add_norm(dls, model_meta[resnet18], pretrained=True, n_in=3)
+    fd.cpu()   # `Normalize.from_stats` puts its stats on the default device; fastai's loaders here run on the CPU
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1)
     return dict(dd=dd, fd=fd, learn=learn, flearn=flearn, after_learner=after_learner, ref_x=cat(ref, 0),
                 ref_y=cat(ref, 1))
@@ -328,14 +333,14 @@ def test_predict_and_test_dl(trained):
     items = list(dd.valid_ds.items)
     cls,idx,probs = learn.predict(items[4])
     assert cls in dd.vocab and dd.vocab[idx] == cls
-    assert torch.allclose(plain(probs), preds[4], atol=1e-4)
+    assert torch.allclose(plain(probs), preds[4], atol=PRED_ATOL)
     order = [7, 2, 29, 0, 11, 5, 18, 3, 23]        # not the item order, not a multiple of bs
     files = [items[i] for i in order]
     tdl = dd.test_dl(files)
     assert isinstance(tdl, DaliDL) and len(tdl.dataset) == len(files)
     tpreds,_ = learn.get_preds(dl=tdl)
     assert tpreds.shape == (len(files), 3)
-    assert torch.allclose(tpreds, preds[order], atol=1e-4)
+    assert torch.allclose(tpreds, preds[order], atol=PRED_ATOL)
     fpreds,_ = learn.get_preds(dl=fd.test_dl(files))
     assert (tpreds - fpreds).abs().max().item() < 0.02
 
@@ -347,7 +352,7 @@ def test_export_load_predict(trained, tmp_path):
     f = dd.valid_ds.items[0]
     cls,idx,probs = learn2.predict(f)
     assert cls in dd.vocab and dd.vocab[idx] == cls
-    assert torch.allclose(plain(probs), plain(learn.predict(f)[2]), atol=1e-4)
+    assert torch.allclose(plain(probs), plain(learn.predict(f)[2]), atol=PRED_ATOL)
 
 def test_copy_rebuilds_pipeline(trained):
     "What pickling a DaliDL keeps: `__getstate__` drops the built pipeline; the copy builds its own"
@@ -393,7 +398,9 @@ def _truncate(bad):
 
 def _text(bad): bad.write_text('this is not a JPEG\n')
 
-@pytest.mark.parametrize('write', [_truncate, _text], ids=['truncated', 'text'])
+_LENIENT = pytest.mark.xfail(DEVICE != 'cpu', strict=True, reason="nvJPEG on the GPU decodes a truncated JPEG without "
+                             "an error (grey where data is missing); up-front validation is planned (hardening issue)")
+@pytest.mark.parametrize('write', [pytest.param(_truncate, marks=_LENIENT), _text], ids=['truncated', 'text'])
 def test_corrupt_jpeg_named_in_error(tmp_path, write):
     root = make_image_folder(tmp_path/'data', 6, 18, seed=5)
     bad = _put_bad_file(root, write)
