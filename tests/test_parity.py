@@ -328,6 +328,16 @@ def test_show_batch(trained, tmp_path):
     assert out.stat().st_size > 1000
     shutil.copy(out, '/tmp/show_batch_dali.png')
 
+def test_show_results(trained, tmp_path):
+    learn,dd = trained['learn'],trained['dd']
+    plt.close('all')
+    with learn.no_bar(): learn.show_results(max_n=4)
+    fig = plt.gcf()
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 4 and all(len(t.split('\n')) == 2 and set(t.split('\n')) <= set(dd.vocab) for t in titles), titles
+    fig.savefig(tmp_path/'show_results_dali.png'); plt.close(fig)
+    shutil.copy(tmp_path/'show_results_dali.png', '/tmp/show_results_dali.png')
+
 def test_predict_and_test_dl(trained):
     learn,dd,fd = trained['learn'],trained['dd'],trained['fd']
     preds,_ = learn.get_preds()
