@@ -13,7 +13,7 @@ from fastai.data.core import DataLoaders
 from fastai.data.block import DataBlock, CategoryBlock
 from fastai.data.transforms import get_image_files, parent_label, GrandparentSplitter, RandomSplitter
 from fastai.vision.core import PILImage
-from fastai.vision.data import ImageBlock
+from fastai.vision.data import ImageBlock, ImageDataLoaders
 from .core import *
 from .loader import *
 
@@ -64,3 +64,14 @@ def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_p
     dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=get_items,
                        splitter=splitter, get_y=parent_label, item_tfms=item_tfms, batch_tfms=batch_tfms)
     return cls.from_dblock(dblock, path, path=path, **kwargs)
+
+# %% ../nbs/04_data.ipynb #c011
+for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', 'from_df', 'from_csv', 'from_lists'):
+    setattr(DaliDataLoaders, _n, classmethod(getattr(ImageDataLoaders, _n).__func__))
+
+# %% ../nbs/04_data.ipynb #c013
+@patch
+@delegates(DaliDataLoaders.from_dblock)
+def dali_dataloaders(self:DataBlock, source, **kwargs):
+    "Create `DaliDataLoaders` from this `DataBlock` on `source` (the DALI counterpart of `dataloaders`)"
+    return DaliDataLoaders.from_dblock(self, source, **kwargs)

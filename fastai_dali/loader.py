@@ -6,7 +6,7 @@
 from __future__ import annotations
 import warnings
 from pathlib import Path
-import numpy as np
+import numpy as np, torch
 from fastcore.basics import *
 from fastcore.foundation import L
 from fastcore.meta import delegates
@@ -32,32 +32,41 @@ def _x_files(ds):
     if i is None: i = next((i for i,f in enumerate(fs) if 'create' in getattr(f, 'name', '')), len(fs))
     pre = compose_tfms if i else None
     items = getattr(tl, 'items', L())
+    items = (r for _,r in items.iterrows()) if hasattr(items, 'iterrows') else items  # DataFrame rows, as fastai's `get_x` sees them
     res = [pre(o, tfms=fs[:i]) if pre else o for o in items]
     return res if all(isinstance(o, (str, Path)) for o in res) else None  # None: not files (e.g. images in memory)
 
 # %% ../nbs/03_loader.ipynb #c006
-def _pil_mode(ds):
+def _pil_mode(ds, default='RGB'):
     "PIL mode ('RGB' or 'L') the x pipeline of `ds` creates"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
     for f in getattr(getattr(tl, 'tfms', None), 'fs', []):
         c = getattr(f, '__self__', None)
         if isinstance(c, type) and issubclass(c, PILBase): return getattr(c, '_open_args', {}).get('mode', 'RGB')
-    return 'RGB'
+    return default
 
 # %% ../nbs/03_loader.ipynb #c007
-def _y_labels(ds, files):
-    "Integer label of each item of `ds` (zeros when it has none), with an error naming the item fastai cannot encode"
-    if not hasattr(ds, 'tls') or len(ds.tls) < 2: return [0]*len(files)
-    tl,res = ds.tls[1],[]
-    for i in range(len(files)):
-        try: y = tl[i]
-        except KeyError as e:
-            raise ValueError(f"label {e.args[0]!r} of {files[i]} is not in the vocab {list(getattr(tl, 'vocab', []))}. "
-                             "fastai builds the vocab from the training set: is this class missing from train?") from None
-        if not (isinstance(y, (int, np.integer)) or (hasattr(y, 'ndim') and y.ndim == 0)):
-            raise TypeError(f"DaliDL feeds integer class labels to DALI, but the label of {files[i]} is {y!r}")
-        res.append(int(y))
-    return res
+def _encode(tl, i, f):
+    try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
+    except KeyError as e:
+        raise ValueError(f"label {e.args[0]!r} of {f} is not in the vocab {list(getattr(tl, 'vocab', []))}. "
+                         "fastai builds the vocab from the training set: is this class missing from train?") from None
+
+def _y_targets(ds, files):
+    "fastai's encoded targets of every item of `ds`, one stacked tensor per target (none for an unlabelled set)"
+    if not hasattr(ds, 'tls'): return ()
+    n_inp = getattr(ds, 'n_inp', 1)
+    if n_inp != 1: raise ValueError(f"DaliDL loads one image input per item, but this dataset has n_inp={n_inp}")
+    res = []
+    for tl in ds.tls[1:]:
+        if _pil_mode(tl, None):
+            raise NotImplementedError("image targets (e.g. MaskBlock) are not translated to DALI yet: use fastai's loaders")
+        ys = [_encode(tl, i, f) for i,f in enumerate(files)]
+        try: res.append(torch.stack(ys) if ys else torch.empty(0))
+        except RuntimeError:
+            raise TypeError(f"DaliDL stacks each target into one tensor, but targets have different shapes: "
+                            f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
+    return tuple(res)
 
 # %% ../nbs/03_loader.ipynb #c009
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
@@ -105,7 +114,7 @@ class DaliDL(TfmdDL):
 
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
-        d = self.__dict__.copy(); d['_dali'],d['_in_epoch'] = None,False
+        d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'] = None,False,{}
         return d
 
 # %% ../nbs/03_loader.ipynb #c013
@@ -122,12 +131,20 @@ def __len__(self:DaliDL):
 # %% ../nbs/03_loader.ipynb #c015
 @patch
 def _files_labels(self:DaliDL):
-    "Files and labels of the dataset, computed once per dataset (fastai's labelling runs only here)"
+    "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
     key = id(self.dataset)
     if getattr(self, '_fl_key', None) != key:
         files = _x_files(self.dataset)
-        self._fl,self._fl_key = (None if files is None else (files, _y_labels(self.dataset, files))),key
+        self._fl,self._fl_key = (None if files is None else (files, _y_targets(self.dataset, files))),key
+        self._tgt_on = {}
     return self._fl
+
+@patch
+def _targets_on(self:DaliDL, device):
+    "The stacked targets, moved once to `device` (where DALI delivers the item indices)"
+    k = str(device)
+    if k not in self._tgt_on: self._tgt_on[k] = tuple(t.to(device) for t in self._files_labels()[1])
+    return self._tgt_on[k]
 
 @patch
 def _plan(self:DaliDL):
@@ -143,10 +160,10 @@ def _signature(self:DaliDL):
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
     self._release()
-    files,labels = self._files_labels()
-    if not self.shuffle:  # fastai's order (e.g. `get_preds` passes its own `get_idxs`)
-        idxs = list(self.get_idxs())
-        files,labels = [files[i] for i in idxs],[labels[i] for i in idxs]
+    files,_ = self._files_labels()
+    # fastai's order (e.g. `get_preds` passes its own `get_idxs`); the reader's label is the item index
+    idxs = list(range(len(files))) if self.shuffle else list(self.get_idxs())
+    files,labels = [files[i] for i in idxs],idxs
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
@@ -171,15 +188,12 @@ def _release(self:DaliDL):
 # %% ../nbs/03_loader.ipynb #c018
 @patch
 def _to_fastai(self:DaliDL, d, plan):
-    x,y = d['x'],d['y'].view(-1).long()
-    b = (x,) if self._n_labels == 0 else (x,y)
+    idx = d['y'].view(-1).long()
+    b = (d['x'],) + tuple(t[idx] for t in self._targets_on(idx.device))
     if not getattr(self, '_types', None): self._one_pass()
     b = retain_types(b, typs=self._types)
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
-
-@patch(as_prop=True)
-def _n_labels(self:DaliDL): return len(self.dataset.tls)-1 if hasattr(self.dataset, 'tls') else 0
 
 # %% ../nbs/03_loader.ipynb #c019
 @patch

@@ -18,7 +18,7 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None):
-    "DALI graph: read `files`/`labels`, decode, then `plan`'s translated item transforms and fused output op"
+    "DALI graph: read `files` (with integer `labels`), decode, then `plan`'s item transforms and fused output op"
     gpu = Pipeline.current().device_id is not None
     jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
                               pad_last_batch=True, stick_to_shard=not shuffle, shard_id=shard_id, num_shards=num_shards,
