@@ -20,23 +20,45 @@ from .transforms import *
 from .pipeline import *
 
 # %% auto #0
-__all__ = ['DaliReadError', 'dali_read_error', 'DaliDL']
+__all__ = ['PythonSource', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL']
 
 # %% ../nbs/03_loader.ipynb #c005
-def _x_files(ds):
-    "The file of each item of `ds` (the x pipeline up to its `PILBase.create`), or `None` if some are not files"
+def _x_pipeline(ds):
+    "The raw items of `ds` and the x transforms that run before its `PILBase.create` (e.g. `get_x`)"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
     fs = list(getattr(getattr(tl, 'tfms', None), 'fs', []))
     i = next((i for i,f in enumerate(fs) if getattr(f, '__self__', None) is not None
               and isinstance(f.__self__, type) and issubclass(f.__self__, PILBase)), None)
     if i is None: i = next((i for i,f in enumerate(fs) if 'create' in getattr(f, 'name', '')), len(fs))
-    pre = compose_tfms if i else None
     items = getattr(tl, 'items', L())
-    items = (r for _,r in items.iterrows()) if hasattr(items, 'iterrows') else items  # DataFrame rows, as fastai's `get_x` sees them
-    res = [pre(o, tfms=fs[:i]) if pre else o for o in items]
-    return res if all(isinstance(o, (str, Path)) for o in res) else None  # None: not files (e.g. images in memory)
+    items = [r for _,r in items.iterrows()] if hasattr(items, 'iterrows') else list(items)  # DataFrame rows, as `get_x` sees them
+    return items, fs[:i]
 
 # %% ../nbs/03_loader.ipynb #c006
+class PythonSource:
+    "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
+    def __init__(self, items, tfms): store_attr()
+    def __len__(self): return len(self.items)
+    def __getitem__(self, i):
+        x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]
+        if isinstance(x, (str, Path)): x = Path(x).read_bytes()
+        return np.frombuffer(x, dtype=np.uint8)
+
+# %% ../nbs/03_loader.ipynb #c007
+def _x_sources(ds):
+    "Paths of the items of `ds` for DALI's reader, a `PythonSource` when `get_x` gives bytes, or `None` (fastai loads them)"
+    items,pre = _x_pipeline(ds)
+    x = lambda o: compose_tfms(o, tfms=pre) if pre else o
+    if not items: return []
+    x0 = x(items[0])
+    if isinstance(x0, (bytes, bytearray, memoryview)): return PythonSource(items, pre)
+    if not isinstance(x0, (str, Path)): return None
+    res = [x(o) for o in items]
+    bad = next((o for o in res if not isinstance(o, (str, Path))), None)
+    if bad is not None: raise TypeError(f"DaliDL: the first item is a file but another is a {type(bad).__name__} ({bad!r:.80})")
+    return res
+
+# %% ../nbs/03_loader.ipynb #c008
 def _pil_mode(ds, default='RGB'):
     "PIL mode ('RGB' or 'L') the x pipeline of `ds` creates"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
@@ -45,7 +67,7 @@ def _pil_mode(ds, default='RGB'):
         if isinstance(c, type) and issubclass(c, PILBase): return getattr(c, '_open_args', {}).get('mode', 'RGB')
     return default
 
-# %% ../nbs/03_loader.ipynb #c007
+# %% ../nbs/03_loader.ipynb #c009
 def _encode(tl, i, f):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
     except KeyError as e:
@@ -68,7 +90,33 @@ def _y_targets(ds, files):
                             f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
     return tuple(res)
 
-# %% ../nbs/03_loader.ipynb #c009
+# %% ../nbs/03_loader.ipynb #c011
+class EpochSource:
+    "Per-sample `external_source` callback: the encoded image and the index of the item at each epoch position"
+    def __init__(self, src:PythonSource, n_serve:int, order=None, seed:int=0):
+        store_attr(); self._epoch,self._perm = None,None
+    def _order(self, epoch):
+        if self.order is not None: return self.order
+        if self._epoch != epoch: self._epoch,self._perm = epoch,np.random.default_rng((self.seed, epoch)).permutation(len(self.src))
+        return self._perm
+    def __call__(self, si):
+        if si.idx_in_epoch >= self.n_serve: raise StopIteration
+        i = int(self._order(si.epoch_idx)[min(si.idx_in_epoch, len(self.src)-1)])
+        return self.src[i], np.array(i, dtype=np.int64)
+
+# %% ../nbs/03_loader.ipynb #c012
+def python_workers_kwargs(source, n_workers):
+    "Pipeline arguments for `source` in DALI's worker processes, after checking it can be sent there"
+    import cloudpickle
+    try: cloudpickle.dumps(source)
+    except Exception as e:
+        raise TypeError(f"DaliDL runs `get_x` in DALI's worker processes, so it and the items must be picklable "
+                        f"(cloudpickle), and this one is not: {type(e).__name__}: {e}. Use module-level functions or "
+                        "classes, and open files, archives and connections lazily inside them, not before.") from None
+    # spawn, not fork: the parent may already hold a CUDA context, which a forked child cannot use
+    return dict(py_num_workers=max(1, n_workers), py_start_method='spawn', py_callback_pickler=cloudpickle)
+
+# %% ../nbs/03_loader.ipynb #c014
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
 
 def _bad_file(msg, files):
@@ -90,18 +138,19 @@ def dali_read_error(e, files):
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
     return DaliReadError(f"DALI could not read or decode {f}: fix or remove it ({first.strip()})")
 
-# %% ../nbs/03_loader.ipynb #c011
+# %% ../nbs/03_loader.ipynb #c016
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, **kwargs):
+                 shard_id:int=0, num_shards:int=1, py_workers:int=None, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
         super().__init__(dataset, bs=bs, shuffle=shuffle, **kwargs)
         if num_threads is None: num_threads = default_num_threads()
+        if py_workers is None: py_workers = default_num_threads()
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
         self._dali,self._in_epoch,self._n_builds = None,False,0
@@ -117,7 +166,7 @@ class DaliDL(TfmdDL):
         d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'] = None,False,{}
         return d
 
-# %% ../nbs/03_loader.ipynb #c013
+# %% ../nbs/03_loader.ipynb #c018
 @patch
 def _shard_n(self:DaliDL):
     n = len(self.dataset) if self.n is None else self.n
@@ -128,14 +177,15 @@ def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
 
-# %% ../nbs/03_loader.ipynb #c015
+# %% ../nbs/03_loader.ipynb #c020
 @patch
 def _files_labels(self:DaliDL):
     "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
     key = id(self.dataset)
     if getattr(self, '_fl_key', None) != key:
-        files = _x_files(self.dataset)
-        self._fl,self._fl_key = (None if files is None else (files, _y_targets(self.dataset, files))),key
+        src = _x_sources(self.dataset)
+        names = src if isinstance(src, list) else [f'item {i} ({o!r:.60})' for i,o in enumerate(getattr(src, 'items', []))]
+        self._fl,self._fl_key = (None if src is None else (src, _y_targets(self.dataset, names))),key
         self._tgt_on = {}
     return self._fl
 
@@ -155,26 +205,32 @@ def _signature(self:DaliDL):
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
             self.shuffle, self.drop_last, id(self.dataset))
 
-# %% ../nbs/03_loader.ipynb #c016
+# %% ../nbs/03_loader.ipynb #c021
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
     self._release()
-    files,_ = self._files_labels()
+    src,_ = self._files_labels()
     # fastai's order (e.g. `get_preds` passes its own `get_idxs`); the reader's label is the item index
-    idxs = list(range(len(files))) if self.shuffle else list(self.get_idxs())
-    files,labels = [files[i] for i in idxs],idxs
+    idxs = list(range(len(src))) if self.shuffle else list(self.get_idxs())
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
+    # a rebuilt pipeline draws new permutations and augmentations, reproducibly
+    seed,kw = self.seed+self._n_builds,{}
+    if isinstance(src, PythonSource):
+        if self.num_shards > 1: raise NotImplementedError("num_shards > 1 needs files for DALI's reader, not a `get_x` returning bytes")
+        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed)
+        kw = python_workers_kwargs(source, self.py_workers)
+    else: files,labels,source = [src[i] for i in idxs],idxs,None
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
-                           num_shards=self.num_shards, log=log, batch_size=self.bs, num_threads=self.num_threads,
-                           # a rebuilt pipeline draws new permutations and augmentations, reproducibly
-                           device_id=dali_device_id(self.device or 'cpu'), seed=self.seed+self._n_builds,
-                           prefetch_queue_depth=self.prefetch)
+                           num_shards=self.num_shards, log=log, source=source, batch_size=self.bs,
+                           num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'), seed=seed,
+                           prefetch_queue_depth=self.prefetch, **kw)
     track_pipeline(pipe)
     policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
+    it_kw = dict(reader_name='Reader', last_batch_policy=policy) if source is None else {}
     # Building the iterator runs the first batch: reading errors can surface here already
-    try: it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=policy, auto_reset=False)
+    try: it = DALIGenericIterator(pipe, ['x','y'], auto_reset=False, **it_kw)
     except RuntimeError as e: raise dali_read_error(e, files) from None
     self._dali = (it, plan, log, self._signature(), files)
     self._n_builds += 1
@@ -185,7 +241,7 @@ def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
     self._dali = None
 
-# %% ../nbs/03_loader.ipynb #c018
+# %% ../nbs/03_loader.ipynb #c023
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -195,7 +251,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c019
+# %% ../nbs/03_loader.ipynb #c024
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -208,18 +264,22 @@ def __iter__(self:DaliDL):
     if self._dali is None or self._in_epoch or self._dali[3] != self._signature(): self._build()
     it,plan,_,_,files = self._dali
     self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one rebuilds
+    left = len(self)*self.bs if self.drop_last else self._shard_n()
     while True:
         try: d = next(it)
         except StopIteration: break
         except RuntimeError as e:
             self._release()
             raise dali_read_error(e, files) from None
-        yield self._to_fastai(d[0], plan)
+        b = self._to_fastai(d[0], plan)
+        k = min(len(b[0]), left)  # a Python source pads its last batch to full size: trim it
+        left -= k
+        yield b if k == len(b[0]) else tuple(o[:k] for o in b)
     it.reset()
     self._in_epoch = False
     self.after_iter()
 
-# %% ../nbs/03_loader.ipynb #c021
+# %% ../nbs/03_loader.ipynb #c026
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"
