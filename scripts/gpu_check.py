@@ -46,6 +46,19 @@ def _dali_only(dl):
     dl._in_epoch = True  # the loader must rebuild next time
     return gen()
 
+def read_bytes(f): return Path(f).read_bytes()
+def zip_names(p):
+    import zipfile
+    return sorted(n for n in zipfile.ZipFile(p).namelist() if n.endswith('.jpg'))
+class ZipMember:
+    "Read member `name` of the zip archive at `path`; the archive is opened once per process"
+    def __init__(self, path): self.path,self._zf = path,None
+    def __call__(self, name):
+        import zipfile
+        if self._zf is None: self._zf = zipfile.ZipFile(self.path)
+        return self._zf.read(name)
+    def __getstate__(self): return {'path': self.path, '_zf': None}
+
 def _exact(dl):
     import fastai_dali.transforms as T
     T.exact_resize_crop = True
@@ -61,9 +74,10 @@ def main():
     ap.add_argument('--size', type=int, default=224); ap.add_argument('--out', default=os.environ.get('OUT', '/tmp/out'))
     ap.add_argument('--data', default='/tmp/fastai_dali_bench'); ap.add_argument('--max-batches', type=int, default=60)
     ap.add_argument('--epochs', type=int, default=1)
+    ap.add_argument('--sections', default='parity,train,throughput,mixed', help='comma-separated subset to run')
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-    from fastai.vision.all import (ImageDataLoaders, Resize, ResizeMethod, PadMode, Normalize, imagenet_stats,
+    from fastai.vision.all import (FuncSplitter, ImageDataLoaders, Resize, ResizeMethod, PadMode, Normalize, imagenet_stats,
                                    vision_learner, resnet18, accuracy, first, parent_label)
     import fastai
     from fastai_dali.all import DaliDataLoaders, dali_cuda_count
@@ -78,14 +92,18 @@ def main():
     root = make_dataset(a.data + f'_{a.n}', a.n, procs=min(16, os.cpu_count()))
     print(f'dataset: {a.n} JPEGs in {time.time()-t0:.1f}s', flush=True)
 
+    sections = a.sections.split(',')
     # 1. parity with ImageDataLoaders on a small folder, per ResizeMethod (valid: deterministic centre crop)
     small = make_dataset(a.data + '_small', 150, procs=min(16, os.cpu_count()))
     par = {}
+    if 'parity' not in sections: par_methods = []
     import fastai_dali.transforms as T
-    for name,tfm in [('crop', Resize(a.size)), ('crop_exact', Resize(a.size)), ('squish', Resize(a.size, method=ResizeMethod.Squish)),
+    par_methods = [('crop', Resize(a.size)), ('crop_exact', Resize(a.size)), ('squish', Resize(a.size, method=ResizeMethod.Squish)),
                      ('pad_zeros', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Zeros)),
                      ('pad_border', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Border)),
-                     ('pad_reflection', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Reflection))]:
+                     ('pad_reflection', Resize(a.size, method=ResizeMethod.Pad, pad_mode=PadMode.Reflection))]
+    if 'parity' not in sections: par_methods = []
+    for name,tfm in par_methods:
         T.exact_resize_crop = name == 'crop_exact'
         dls = DaliDataLoaders.from_folder(small, item_tfms=tfm, bs=16, device=a.device)
         fdls = ImageDataLoaders.from_folder(small, item_tfms=tfm, bs=16, device=a.device, num_workers=0)
@@ -106,15 +124,16 @@ def main():
     # 2. a short training run on the GPU path
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=a.bs, device=a.device)
-    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
-    if a.device != 'cpu': learn = learn.to_fp16()
-    t0 = time.time(); learn.fine_tune(a.epochs, 1e-3); t = time.time()-t0
-    preds,targs = learn.get_preds()
-    assert len(preds) == len(dls.valid.items)
-    assert torch.equal(targs.cpu(), torch.tensor([dls.vocab.o2i[parent_label(o)] for o in dls.valid.items]))
-    res['fine_tune'] = {'arch': 'resnet18 (random init)', 'epochs': f'1 frozen + {a.epochs}', 'seconds': t,
-                        'accuracy': float(learn.validate()[1]), 'n_train': len(dls.train.items), 'bs': a.bs}
-    print(res['fine_tune'], flush=True)
+    if 'train' in sections:
+        learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+        if a.device != 'cpu': learn = learn.to_fp16()
+        t0 = time.time(); learn.fine_tune(a.epochs, 1e-3); t = time.time()-t0
+        preds,targs = learn.get_preds()
+        assert len(preds) == len(dls.valid.items)
+        assert torch.equal(targs.cpu(), torch.tensor([dls.vocab.o2i[parent_label(o)] for o in dls.valid.items]))
+        res['fine_tune'] = {'arch': 'resnet18 (random init)', 'epochs': f'1 frozen + {a.epochs}', 'seconds': t,
+                            'accuracy': float(learn.validate()[1]), 'n_train': len(dls.train.items), 'bs': a.bs}
+        print(res['fine_tune'], flush=True)
 
     # 3. throughput: same files, same work (decode, crop to square, resize 224, normalize, CHW float on device)
     files = dls.train.items; labels = [dls.vocab.o2i[parent_label(o)] for o in files]
@@ -129,6 +148,23 @@ def main():
         'DaliDataLoaders train, Squish': lambda: dls_sq.train,
         'DaliDataLoaders train, exact crop window': lambda: _exact(dls_ex.train),
     }
+    if 'throughput' not in sections:
+        for k in list(loaders)[4:]: del loaders[k]
+    if 'mixed' in sections:
+        from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files
+        import zipfile
+        zpath = Path(a.data + f'_{a.n}.zip')
+        if not zpath.exists():
+            with zipfile.ZipFile(zpath, 'w') as z:
+                for f in get_image_files(root): z.write(f, f.relative_to(root).as_posix())
+        blk = lambda **kw: DataBlock(blocks=(ImageBlock, CategoryBlock), item_tfms=Resize(a.size),
+                                     batch_tfms=Normalize.from_stats(*imagenet_stats), **kw)
+        dls_py = blk(get_items=get_image_files, get_x=read_bytes, get_y=parent_label, splitter=GrandparentSplitter()
+                     ).dali_dataloaders(root, bs=a.bs, device=a.device)
+        dls_zip = blk(get_items=zip_names, get_x=ZipMember(zpath), get_y=lambda n: n.split('/')[1],
+                      splitter=FuncSplitter(lambda n: n.startswith('valid'))).dali_dataloaders(zpath, bs=a.bs, device=a.device)
+        loaders['DaliDataLoaders train, get_x -> bytes of a file (external_source)'] = lambda: dls_py.train
+        loaders['DaliDataLoaders train, get_x -> zip member (external_source)'] = lambda: dls_zip.train
     dls_ex = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                          bs=a.bs, device=a.device)
     dls_sq = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size, method='squish'),
@@ -140,7 +176,7 @@ def main():
     md = [f"# fastai_dali on {res['machine']['gpu'] or 'CPU'}", '', '```', json.dumps(res['machine']), res['command'], '```', '',
           '## Valid pixel parity with ImageDataLoaders (|Δ| in 0-255 units)', '', '| method | mean | p99 | max |', '|---|---:|---:|---:|']
     md += [f"| {k} | {v['mean_abs_diff_255']:.2f} | {v['p99_abs_diff_255']:.1f} | {v['max_abs_diff_255']:.0f} |" for k,v in par.items()]
-    md += ['', '## fine_tune', '', '```', json.dumps(res['fine_tune']), '```', '', results_markdown(thr, f'Throughput, bs {a.bs}, {a.size}px')]
+    md += ['', '## fine_tune', '', '```', json.dumps(res.get('fine_tune')), '```', '', results_markdown(thr, f'Throughput, bs {a.bs}, {a.size}px')]
     (out/'gpu_results.md').write_text('\n'.join(md)+'\n')
     print('\n'.join(md))
 
