@@ -71,7 +71,7 @@ def _pil_mode(ds, default='RGB'):
 def _encode(tl, i, f):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
     except KeyError as e:
-        raise ValueError(f"label {e.args[0]!r} of {f} is not in the vocab {list(getattr(tl, 'vocab', []))}. "
+        raise ValueError(f"the label of {f} is not in the vocab {list(getattr(tl, 'vocab', []))} ({e.args[0]}). "
                          "fastai builds the vocab from the training set: is this class missing from train?") from None
 
 def _y_targets(ds, files):
@@ -106,7 +106,8 @@ class EpochSource:
 
 # %% ../nbs/03_loader.ipynb #c012
 def python_workers_kwargs(source, n_workers):
-    "Pipeline arguments for `source` in DALI's worker processes, after checking it can be sent there"
+    "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
+    if n_workers == 0: return {}
     import cloudpickle
     try: cloudpickle.dumps(source)
     except Exception as e:
@@ -114,7 +115,7 @@ def python_workers_kwargs(source, n_workers):
                         f"(cloudpickle), and this one is not: {type(e).__name__}: {e}. Use module-level functions or "
                         "classes, and open files, archives and connections lazily inside them, not before.") from None
     # spawn, not fork: the parent may already hold a CUDA context, which a forked child cannot use
-    return dict(py_num_workers=max(1, n_workers), py_start_method='spawn', py_callback_pickler=cloudpickle)
+    return dict(py_num_workers=n_workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
 
 # %% ../nbs/03_loader.ipynb #c014
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
@@ -151,6 +152,7 @@ class DaliDL(TfmdDL):
         super().__init__(dataset, bs=bs, shuffle=shuffle, **kwargs)
         if num_threads is None: num_threads = default_num_threads()
         if py_workers is None: py_workers = default_num_threads()
+        if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
         self._dali,self._in_epoch,self._n_builds = None,False,0
@@ -223,7 +225,7 @@ def _build(self:DaliDL):
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
-                           num_shards=self.num_shards, log=log, source=source, batch_size=self.bs,
+                           num_shards=self.num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'), seed=seed,
                            prefetch_queue_depth=self.prefetch, **kw)
     track_pipeline(pipe)

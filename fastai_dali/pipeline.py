@@ -17,15 +17,16 @@ __all__ = ['fastai_pipeline', 'track_pipeline']
 _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
-def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None):
+def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
+                    parallel=True):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
     if source is None:
         jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
                                   pad_last_batch=True, stick_to_shard=not shuffle, shard_id=shard_id,
                                   num_shards=num_shards, name='Reader')  # DALI forbids stick_to_shard with shuffle_after_epoch
-    else:  # a per-sample Python callback, run in parallel worker processes, returning (encoded bytes, item index)
-        jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=True, dtype=[types.UINT8, types.INT64])
+    else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
+        jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
     img = fn.decoders.image(jpegs, device='mixed' if gpu and not plan.python else 'cpu', output_type=_color[plan.mode])
     g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs))

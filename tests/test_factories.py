@@ -10,7 +10,7 @@ errors (a class only in valid, a missing file).
 pandas 3: fastai's `ColReader` with integer column positions (the default `fn_col=0, label_col=1`) fails for both
 loaders, so the DataFrame factories get column names.
 """
-import copy, os, re
+import copy, os
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 from fastai.vision.all import (ImageDataLoaders, DataBlock, ImageBlock, CategoryBlock, RegressionBlock, ColReader,
                                 ColSplitter, GrandparentSplitter, RandomSplitter, Resize, get_image_files,
                                 parent_label, set_seed, vision_learner, resnet18, accuracy_multi, MSELossFlat,
-                                TensorMultiCategory, TensorCategory, TensorImage)
+                                TensorMultiCategory, TensorImage)
 from fastai_dali.data import DaliDataLoaders   # also patches `DataBlock.dali_dataloaders`
 from fastai_dali.loader import DaliDL, DaliReadError
 
@@ -101,7 +101,7 @@ def df(root, fnames):
 def _name_label(name): return name.split('_')[0]
 def _is_cat(name): return name.startswith('c')        # fastai's pets tutorial style: boolean labels
 
-def _case(name, root, fnames, df, tmp_path):
+def _case(name, root, fnames, df):
     "(factory, args, kwargs, expected valid labels as a function of a valid item) for case `name`"
     common = dict(item_tfms=TFM, bs=BS)
     pct = dict(valid_pct=0.25, seed=42)
@@ -133,8 +133,8 @@ FACTORY_CASES = ['path_func', 'name_func', 'name_func_bool', 'path_re', 'name_re
                  'df_folder_suff', 'csv', 'lists', 'lists_multi', 'lists_float']
 
 @pytest.mark.parametrize('name', FACTORY_CASES)
-def test_factory_parity(root, fnames, df, tmp_path, name):
-    factory,args,kwargs = _case(name, root, fnames, df, tmp_path)
+def test_factory_parity(root, fnames, df, name):
+    factory,args,kwargs = _case(name, root, fnames, df)
     dd,fd = both(factory, *args, **kwargs)
     n_valid = N_VALID if name in ('df_valid_col', 'csv') else None
     dy = check_parity(dd, fd, n_valid)

@@ -1,0 +1,91 @@
+"""The mixed path: a `get_x` that returns encoded bytes (here: members of a zip archive) runs per sample in DALI's
+parallel `external_source` worker processes; decoding and transforms stay in DALI. Compared with fastai's own
+loaders on the same `DataBlock`."""
+import gc, zipfile
+import pytest, torch
+from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
+                               accuracy)
+import fastai_dali.data  # noqa: F401  (adds DataBlock.dali_dataloaders)
+from conftest import make_image_folder
+from test_parity import DEVICE, plain
+
+class ZipMember:
+    "Read member `name` of the zip archive at `path`; the archive is opened once per process"
+    def __init__(self, path): self.path,self._zf = path,None
+    def __call__(self, name):
+        if self._zf is None: self._zf = zipfile.ZipFile(self.path)
+        return self._zf.read(name)
+    def __getstate__(self): return {'path': self.path, '_zf': None}
+
+def zip_names(p): return sorted(zipfile.ZipFile(p).namelist())
+def label_of(n): return n.split('/')[1]
+def is_valid(n): return n.startswith('valid')
+
+@pytest.fixture(scope='module')
+def zipped(tmp_path_factory):
+    root = make_image_folder(tmp_path_factory.mktemp('zip')/'data', 22, 9, seed=7)
+    zpath = root.parent/'images.zip'
+    with zipfile.ZipFile(zpath, 'w') as z:
+        for f in sorted(root.rglob('*.jpg')): z.write(f, f.relative_to(root).as_posix())
+    return zpath
+
+def block(zpath, **kw):
+    return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=zip_names, get_x=ZipMember(zpath), get_y=label_of,
+                     splitter=FuncSplitter(is_valid), item_tfms=Resize(32), **kw)
+
+@pytest.fixture(scope='module')
+def loaders(zipped):
+    dd = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
+    fd = block(zipped).dataloaders(zipped, bs=4, device='cpu', num_workers=0)
+    yield dd, fd
+    for dl in dd.loaders: dl._release()
+    gc.collect()
+
+def test_valid_matches_fastai(loaders):
+    dd,fd = loaders
+    assert dd.vocab == fd.vocab and list(dd.valid.items) == list(fd.valid.items)
+    assert (len(dd.train), len(dd.valid)) == (len(fd.train), len(fd.valid))
+    db,fb = list(dd.valid),list(fd.valid)
+    assert [len(b[0]) for b in db] == [len(b[0]) for b in fb]   # the padded last batch is trimmed
+    assert torch.equal(torch.cat([plain(b[1]) for b in db]), torch.cat([plain(b[1]) for b in fb]))
+    x,f = torch.cat([plain(b[0]) for b in db]),torch.cat([plain(b[0]) for b in fb])
+    assert (x-f).abs().mean().item()*255 < 4.5     # the default Crop path's tolerance (tests/test_parity.py)
+
+def test_train_epochs_exactly_len_full_batches(loaders):
+    dd,fd = loaders
+    orders = []
+    for _ in range(2):
+        ys = [plain(b[1]) for b in dd.train]
+        assert [len(y) for y in ys] == [dd.train.bs]*len(dd.train)
+        orders.append(torch.cat(ys))
+    counts = torch.bincount(torch.cat([plain(y) for _,y in fd.train.new(shuffle=False, drop_last=False)]), minlength=len(dd.vocab))
+    for o in orders: assert (torch.bincount(o, minlength=len(dd.vocab)) <= counts).all()
+    assert not torch.equal(orders[0], orders[1])    # a fresh permutation each epoch
+
+def test_one_batch_then_full_epoch(loaders):
+    dd,_ = loaders
+    for _ in range(2): dd.valid.one_batch()
+    assert sum(len(b[0]) for b in dd.valid) == len(dd.valid_ds)
+
+def test_in_process_same_as_workers(zipped, loaders):
+    dd,_ = loaders
+    d0 = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=0)
+    a,b = list(d0.valid),list(dd.valid)
+    assert all(torch.equal(plain(x[1]), plain(y[1])) and torch.equal(plain(x[0]), plain(y[0])) for x,y in zip(a,b))
+
+def test_trains_a_few_steps(loaders):
+    dd,_ = loaders
+    learn = vision_learner(dd, resnet18, pretrained=False, metrics=accuracy)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    preds,targs = learn.get_preds()
+    assert len(preds) == len(dd.valid_ds)
+
+class OpenZip:
+    def __init__(self, path): self.zf = zipfile.ZipFile(path)
+    def __call__(self, name): return self.zf.read(name)
+
+def test_unpicklable_get_x_is_named(zipped):
+    bad = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=zip_names, get_x=OpenZip(zipped), get_y=label_of,
+                    splitter=FuncSplitter(is_valid), item_tfms=Resize(32))
+    dls = bad.dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
+    with pytest.raises(TypeError, match='picklable'): dls.train.one_batch()
