@@ -20,15 +20,24 @@ from .transforms import *
 from .pipeline import *
 
 # %% auto #0
-__all__ = ['PythonSource', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL']
+__all__ = ['PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL']
 
 # %% ../nbs/03_loader.ipynb #c005
+def _created_cls(f):
+    "The `PILBase` subclass (`PILImage`, `PILImageBW`, `PILMask`...) whose `create` the transform `f` wraps, if any"
+    e = getattr(f, 'encodes', None)
+    cands = [f, getattr(f, 'func', None), getattr(e, '_f', None)]
+    try: cands += [m.implementation for m in e.methods]  # fasttransform keeps the function in a plum `Function`
+    except Exception: pass
+    for g in cands:
+        c = getattr(g, '__self__', None)
+        if isinstance(c, type) and issubclass(c, PILBase): return c
+
 def _x_pipeline(ds):
     "The raw items of `ds` and the x transforms that run before its `PILBase.create` (e.g. `get_x`)"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
     fs = list(getattr(getattr(tl, 'tfms', None), 'fs', []))
-    i = next((i for i,f in enumerate(fs) if getattr(f, '__self__', None) is not None
-              and isinstance(f.__self__, type) and issubclass(f.__self__, PILBase)), None)
+    i = next((i for i,f in enumerate(fs) if _created_cls(f) is not None), None)
     if i is None: i = next((i for i,f in enumerate(fs) if 'create' in getattr(f, 'name', '')), len(fs))
     items = getattr(tl, 'items', L())
     items = [r for _,r in items.iterrows()] if hasattr(items, 'iterrows') else list(items)  # DataFrame rows, as `get_x` sees them
@@ -63,8 +72,8 @@ def _pil_mode(ds, default='RGB'):
     "PIL mode ('RGB' or 'L') the x pipeline of `ds` creates"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
     for f in getattr(getattr(tl, 'tfms', None), 'fs', []):
-        c = getattr(f, '__self__', None)
-        if isinstance(c, type) and issubclass(c, PILBase): return getattr(c, '_open_args', {}).get('mode', 'RGB')
+        c = _created_cls(f)
+        if c is not None: return getattr(c, '_open_args', {}).get('mode', 'RGB')
     return default
 
 # %% ../nbs/03_loader.ipynb #c009
@@ -74,6 +83,8 @@ def _encode(tl, i, f):
         raise ValueError(f"the label of {f} is not in the vocab {list(getattr(tl, 'vocab', []))} ({e.args[0]}). "
                          "fastai builds the vocab from the training set: is this class missing from train?") from None
 
+class MaskFiles(list): "Paths of the mask of each item, decoded by DALI alongside the images"
+
 def _y_targets(ds, files):
     "fastai's encoded targets of every item of `ds`, one stacked tensor per target (none for an unlabelled set)"
     if not hasattr(ds, 'tls'): return ()
@@ -81,8 +92,11 @@ def _y_targets(ds, files):
     if n_inp != 1: raise ValueError(f"DaliDL loads one image input per item, but this dataset has n_inp={n_inp}")
     res = []
     for tl in ds.tls[1:]:
-        if _pil_mode(tl, None):
-            raise NotImplementedError("image targets (e.g. MaskBlock) are not translated to DALI yet: use fastai's loaders")
+        if _pil_mode(tl, None):  # an image target (MaskBlock): its files, read by a second reader in lock-step
+            masks = _x_sources(tl)
+            if not isinstance(masks, list) or len(masks) != len(files):
+                raise NotImplementedError("DaliDL reads masks from files only (a `get_y` giving a path per item)")
+            res.append(MaskFiles(masks)); continue
         ys = [_encode(tl, i, f) for i,f in enumerate(files)]
         try: res.append(torch.stack(ys) if ys else torch.empty(0))
         except RuntimeError:
@@ -195,7 +209,8 @@ def _files_labels(self:DaliDL):
 def _targets_on(self:DaliDL, device):
     "The stacked targets, moved once to `device` (where DALI delivers the item indices)"
     k = str(device)
-    if k not in self._tgt_on: self._tgt_on[k] = tuple(t.to(device) for t in self._files_labels()[1])
+    if k not in self._tgt_on: self._tgt_on[k] = tuple(t if isinstance(t, MaskFiles) else t.to(device)
+                                                    for t in self._files_labels()[1])
     return self._tgt_on[k]
 
 @patch
@@ -212,13 +227,16 @@ def _signature(self:DaliDL):
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
     self._release()
-    src,_ = self._files_labels()
+    src,targets = self._files_labels()
+    masks = next((t for t in targets if isinstance(t, MaskFiles)), None)
     # fastai's order (e.g. `get_preds` passes its own `get_idxs`); the reader's label is the item index
     idxs = list(range(len(src))) if self.shuffle else list(self.get_idxs())
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
     # a rebuilt pipeline draws new permutations and augmentations, reproducibly
     seed,kw = self.seed+self._n_builds,{}
+    if masks is not None and (isinstance(src, PythonSource) or any(f is python_item_tfm for _,f in plan.items)):
+        raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     if isinstance(src, PythonSource):
         if self.num_shards > 1: raise NotImplementedError("num_shards > 1 needs files for DALI's reader, not a `get_x` returning bytes")
         files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed)
@@ -227,12 +245,13 @@ def _build(self:DaliDL):
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
                            num_shards=self.num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'), seed=seed,
-                           prefetch_queue_depth=self.prefetch, **kw)
+                           prefetch_queue_depth=self.prefetch, reader_seed=seed,
+                           mask_files=None if masks is None else [masks[i] for i in idxs], **kw)
     track_pipeline(pipe)
     policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
     it_kw = dict(reader_name='Reader', last_batch_policy=policy) if source is None else {}
     # Building the iterator runs the first batch: reading errors can surface here already
-    try: it = DALIGenericIterator(pipe, ['x','y'], auto_reset=False, **it_kw)
+    try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
     except RuntimeError as e: raise dali_read_error(e, files) from None
     self._dali = (it, plan, log, self._signature(), files)
     self._n_builds += 1
@@ -247,7 +266,8 @@ def _release(self:DaliDL):
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
-    b = (d['x'],) + tuple(t[idx] for t in self._targets_on(idx.device))
+    mask = lambda: d['m'][...,0].long() // plan.out.div_mask  # (B,H,W), as fastai's IntToFloatTensor leaves a TensorMask
+    b = (d['x'],) + tuple(mask() if isinstance(t, MaskFiles) else t[idx] for t in self._targets_on(idx.device))
     if not getattr(self, '_types', None): self._one_pass()
     b = retain_types(b, typs=self._types)
     if self.device is not None: b = to_device(b, self.device)

@@ -18,13 +18,13 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    parallel=True):
+                    parallel=True, mask_files=None, reader_seed=0):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
-    if source is None:
-        jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
-                                  pad_last_batch=True, stick_to_shard=not shuffle, shard_id=shard_id,
-                                  num_shards=num_shards, name='Reader')  # DALI forbids stick_to_shard with shuffle_after_epoch
+    # DALI forbids stick_to_shard with shuffle_after_epoch; an explicit seed gives a mask reader the same permutation
+    rkw = dict(labels=list(labels), shuffle_after_epoch=shuffle, pad_last_batch=True, stick_to_shard=not shuffle,
+               shard_id=shard_id, num_shards=num_shards, seed=reader_seed)
+    if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
     else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
         jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
@@ -32,7 +32,13 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs))
     img = plan(img, g)
     if log is not None: log.extend(g.log)
-    return img, (y.gpu() if gpu else y)
+    if mask_files is None: return img, (y.gpu() if gpu else y)
+    # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
+    mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
+    m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY)
+    m = plan.masks(m, DaliGraph(train=train, gpu=False, mode='L', decoded=m, peek=fn.peek_image_shape(mj), is_mask=True,
+                                rand=g.rand))
+    return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
 
 # %% ../nbs/02_pipeline.ipynb #c006
 import os, weakref

@@ -47,19 +47,27 @@ def dali_batch_tfm(*tfm_types):
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation"
-    def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None): store_attr(); self.log = L()
+    def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None):
+        store_attr(); self.log = L()
+        if rand is None: self.rand = {}
+    def uniform(self, tfm, key):
+        "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
+        k = (id(tfm), key)
+        if k not in self.rand: self.rand[k] = fn.random.uniform(range=[0.,1.])
+        return self.rand[k]
     def hw(self, img):
         "Current height and width of `img`, as CPU int DataNodes"
         # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
         sh = self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
         return sh[0], sh[1]
-    def note(self, tfm, how, detail=''): self.log.append((type(tfm).__name__, how, detail))
+    def note(self, tfm, how, detail=''):
+        if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))
 
 # %% ../nbs/01_transforms.ipynb #c012
 class OutputSpec:
     "What the final `crop_mirror_normalize` produces: dtype, layout and the fused `(x-mean)/std`"
     def __init__(self, n_ch=3):
-        self.n_ch,self.float,self.chw = n_ch,False,False
+        self.n_ch,self.float,self.chw,self.div_mask = n_ch,False,False,1
         self.mean,self.std = [0.]*n_ch,[1.]*n_ch
         self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
 
@@ -83,6 +91,12 @@ def _to_tensor(tfm, img, g):
     return img
 
 # %% ../nbs/01_transforms.ipynb #c016
+from fastai.vision.data import AddMaskCodes
+
+@dali_item_tfm(AddMaskCodes)
+def _add_mask_codes(tfm, img, g): return img
+
+# %% ../nbs/01_transforms.ipynb #c018
 _interp = {Image.Resampling.BILINEAR: types.INTERP_LINEAR, Image.Resampling.NEAREST: types.INTERP_NN,
            Image.Resampling.BICUBIC: types.INTERP_CUBIC, Image.Resampling.LANCZOS: types.INTERP_LANCZOS3,
            Image.Resampling.BOX: types.INTERP_LINEAR}
@@ -92,11 +106,11 @@ def dali_interp(resample):
     if resample not in _interp: raise ValueError(f"resample={resample!r}: no DALI interpolation matches this PIL filter")
     return _interp[resample]
 
-# %% ../nbs/01_transforms.ipynb #c017
+# %% ../nbs/01_transforms.ipynb #c019
 def _f32(*xs): return fn.stack(*[fn.cast(x, dtype=types.FLOAT) for x in xs])
 
-def resize_window(tfm, H, W, train):
-    "fastai's crop/pad window `(y0, x0, ch, cw)` for `Resize` `tfm` on images of height `H`, width `W`"
+def resize_window(tfm, H, W, pos=(0.5, 0.5)):
+    "fastai's crop/pad window `(y0, x0, ch, cw)` for `Resize` `tfm` on images of height `H`, width `W`, at relative `pos`"
     w,h = tfm.size
     if tfm.method == ResizeMethod.Squish: return 0, 0, H, W
     # fastai's `m = min(W/w, H/h)` (max for Pad), `cp_sz = int(m*size)`, in float64 as Python computes it: exact
@@ -104,12 +118,12 @@ def resize_window(tfm, H, W, train):
     W,H = fn.cast(W, dtype=types.FLOAT64),fn.cast(H, dtype=types.FLOAT64)
     m = (dmath.max if tfm.method == ResizeMethod.Pad else dmath.min)(W/w, H/h)
     cw,ch = dmath.floor(m*w),dmath.floor(m*h)
-    py,px = (fn.random.uniform(range=[0.,1.]), fn.random.uniform(range=[0.,1.])) if train else (0.5, 0.5)
+    py,px = pos
     # `int()` truncates towards zero, also for the negative offsets of a pad window
     trunc = lambda p,d: dmath.floor(p*dmath.max(d, 0.)) - dmath.floor(p*dmath.max(-d, 0.))
     return trunc(py, H-ch), trunc(px, W-cw), ch, cw
 
-# %% ../nbs/01_transforms.ipynb #c018
+# %% ../nbs/01_transforms.ipynb #c020
 def _np_crop_pad(img, win, mode='reflect'):
     "Crop `img` (HWC) to `win` = (y0,x0,h,w), padding outside with `np.pad(mode=mode)` as torchvision does"
     y0,x0,h,w = (int(o) for o in win)
@@ -117,7 +131,7 @@ def _np_crop_pad(img, win, mode='reflect'):
     pads = ((max(-y0,0), max(y0+h-H,0)), (max(-x0,0), max(x0+w-W,0)), (0,0))
     return np.ascontiguousarray(np.pad(img[max(y0,0):min(y0+h,H), max(x0,0):min(x0+w,W)], pads, mode=mode))
 
-# %% ../nbs/01_transforms.ipynb #c020
+# %% ../nbs/01_transforms.ipynb #c022
 exact_resize_crop = False  # True: fastai's exact crop window via a ROI resize (slower on the GPU, see above)
 
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
@@ -125,14 +139,14 @@ def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode ==
 @dali_item_tfm(Resize, python=_reflect_pad)
 def _resize(tfm, img, g):
     w,h = tfm.size
-    kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True)
+    kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
+    pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (0.5, 0.5)
     if tfm.method == ResizeMethod.Crop and not exact_resize_crop:
         g.note(tfm, 'native', f'fn.resize to cover {h}x{w}, crop in crop_mirror_normalize')
-        pos = (fn.random.uniform(range=[0.,1.]), fn.random.uniform(range=[0.,1.])) if g.train else (0.5, 0.5)
         g.out.crop = (h, w) + pos
         return fn.resize(img, mode='not_smaller', **kw)
     H,W = g.hw(img)
-    y0,x0,ch,cw = resize_window(tfm, H, W, g.train)
+    y0,x0,ch,cw = resize_window(tfm, H, W, pos)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
         return fn.resize(img, **kw)
@@ -149,7 +163,7 @@ def _resize(tfm, img, g):
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')
     return fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw)
 
-# %% ../nbs/01_transforms.ipynb #c022
+# %% ../nbs/01_transforms.ipynb #c024
 class PythonItemTfm:
     "Run fastai item transform `tfm` on one HWC uint8 array, as DALI's `python_function` calls it"
     def __init__(self, tfm, split_idx, mode='RGB'): store_attr()
@@ -160,7 +174,7 @@ class PythonItemTfm:
         if y.ndim == 2: y = y[...,None]
         return np.ascontiguousarray(y, dtype=np.uint8)
 
-# %% ../nbs/01_transforms.ipynb #c023
+# %% ../nbs/01_transforms.ipynb #c025
 def python_item_tfm(tfm, img, g):
     "Fallback translation: run `tfm` in Python on each image"
     warnings.warn(f"{tfm!r} has no DALI translation: it runs in Python, one image at a time (fn.python_function). "
@@ -169,20 +183,20 @@ def python_item_tfm(tfm, img, g):
     return fn.python_function(img, function=PythonItemTfm(tfm, 0 if g.train else 1, g.mode), output_layouts='HWC')
 python_item_tfm.python = lambda tfm: True
 
-# %% ../nbs/01_transforms.ipynb #c024
+# %% ../nbs/01_transforms.ipynb #c026
 def item_translation(tfm):
     "The registered translation of `tfm`, or the Python fallback"
     return _lookup(_item_translations, tfm) or python_item_tfm
 
-# %% ../nbs/01_transforms.ipynb #c026
+# %% ../nbs/01_transforms.ipynb #c028
 @dali_batch_tfm(IntToFloatTensor)
 def _int2float(tfm, out):
     if out.float: return False
-    out.float,out.div = True,float(tfm.div)
+    out.float,out.div,out.div_mask = True,float(tfm.div),int(tfm.div_mask)
     out.std = [s*out.div for s in out.std]
     return True
 
-# %% ../nbs/01_transforms.ipynb #c027
+# %% ../nbs/01_transforms.ipynb #c029
 @dali_batch_tfm(Normalize)
 def _normalize(tfm, out):
     mean,std = (np.asarray(getattr(tfm, o).detach().cpu() if hasattr(getattr(tfm, o), 'detach') else getattr(tfm, o),
@@ -193,7 +207,7 @@ def _normalize(tfm, out):
     out.std = [float(s*out.div) for s in std]
     return True
 
-# %% ../nbs/01_transforms.ipynb #c030
+# %% ../nbs/01_transforms.ipynb #c032
 class DaliPlan:
     "Translation of `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
     def __init__(self, item_tfms, batch_tfms, mode='RGB'):
@@ -217,6 +231,14 @@ class DaliPlan:
             img = f(t, img, g)
             if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
         return self.out(img)
+
+    def masks(self, m, g):
+        "The same item translations on masks `m` (HWC uint8), with the images' random draws in `g.rand`"
+        g.out = OutputSpec(1)
+        for t,f in self.items:
+            if f is not _to_tensor: m = g.out.flush_crop(m)
+            m = f(t, m, g)
+        return g.out.flush_crop(m)
 
     def report(self, log=()):
         "Rows of (stage, transform, how, detail)"
