@@ -18,7 +18,7 @@ from .core import *
 from .loader import *
 
 # %% auto #0
-__all__ = ['check_image_folder', 'DaliDataLoaders']
+__all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
 def check_image_folder(path, folders=None):
@@ -75,3 +75,14 @@ for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', '
 def dali_dataloaders(self:DataBlock, source, **kwargs):
     "Create `DaliDataLoaders` from this `DataBlock` on `source` (the DALI counterpart of `dataloaders`)"
     return DaliDataLoaders.from_dblock(self, source, **kwargs)
+
+# %% ../nbs/04_data.ipynb #c032
+import zipfile
+
+class ZipMember:
+    "A picklable `get_x`: the bytes of member `name` of the zip archive at `path`, opened once per process"
+    def __init__(self, path): self.path,self._zf = path,None
+    def __call__(self, name):
+        if self._zf is None: self._zf = zipfile.ZipFile(self.path)
+        return self._zf.read(name)
+    def __getstate__(self): return {'path': self.path, '_zf': None}  # an open archive cannot be pickled

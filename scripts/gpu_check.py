@@ -50,15 +50,6 @@ def read_bytes(f): return Path(f).read_bytes()
 def zip_names(p):
     import zipfile
     return sorted(n for n in zipfile.ZipFile(p).namelist() if n.endswith('.jpg'))
-class ZipMember:
-    "Read member `name` of the zip archive at `path`; the archive is opened once per process"
-    def __init__(self, path): self.path,self._zf = path,None
-    def __call__(self, name):
-        import zipfile
-        if self._zf is None: self._zf = zipfile.ZipFile(self.path)
-        return self._zf.read(name)
-    def __getstate__(self): return {'path': self.path, '_zf': None}
-
 def _exact(dl):
     import fastai_dali.transforms as T
     T.exact_resize_crop = True
@@ -153,6 +144,7 @@ def main():
     if 'mixed' in sections:
         from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files
         import zipfile
+        from fastai_dali.data import ZipMember
         zpath = Path(a.data + f'_{a.n}.zip')
         if not zpath.exists():
             with zipfile.ZipFile(zpath, 'w') as z:

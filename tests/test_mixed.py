@@ -5,17 +5,9 @@ import gc, zipfile
 import pytest, torch
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
                                accuracy)
-import fastai_dali.data  # noqa: F401  (adds DataBlock.dali_dataloaders)
+from fastai_dali.data import ZipMember  # and DataBlock.dali_dataloaders
 from conftest import make_image_folder
 from test_parity import DEVICE, plain
-
-class ZipMember:
-    "Read member `name` of the zip archive at `path`; the archive is opened once per process"
-    def __init__(self, path): self.path,self._zf = path,None
-    def __call__(self, name):
-        if self._zf is None: self._zf = zipfile.ZipFile(self.path)
-        return self._zf.read(name)
-    def __getstate__(self): return {'path': self.path, '_zf': None}
 
 def zip_names(p): return sorted(zipfile.ZipFile(p).namelist())
 def label_of(n): return n.split('/')[1]
