@@ -219,8 +219,9 @@ def _plan(self:DaliDL):
 
 @patch
 def _signature(self:DaliDL):
+    import fastai_dali.transforms as T  # the graph also depends on this module setting
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
-            self.shuffle, self.drop_last, id(self.dataset))
+            self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop)
 
 # %% ../nbs/03_loader.ipynb #c021
 @patch

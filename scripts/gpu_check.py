@@ -38,7 +38,6 @@ def make_dataset(root, n, classes=('astronaut','coffee','chelsea','rocket','immu
 
 def _dali_only(dl):
     "Iterate the DALI iterator behind `dl` without the fastai wrapper (types, device, leftover transforms)"
-    iter(dl)  # nothing
     it = dl._build()[0]
     def gen():
         for d in it: yield (d[0]['x'], d[0]['y'])
@@ -51,12 +50,11 @@ def zip_names(p):
     import zipfile
     return sorted(n for n in zipfile.ZipFile(p).namelist() if n.endswith('.jpg'))
 def _exact(dl):
+    "Iterate `dl` with fastai's exact crop window (the setting is read when the pipeline is built)"
     import fastai_dali.transforms as T
     T.exact_resize_crop = True
-    dl._build()  # the graph is read when the pipeline is built
-    T.exact_resize_crop = False
-    dl._in_epoch = False
-    return dl
+    try: yield from dl
+    finally: T.exact_resize_crop = False
 
 def main():
     ap = argparse.ArgumentParser()
