@@ -8,10 +8,11 @@ __all__ = []
 # %% ../nbs/05_all.ipynb #c002
 from .core import *
 from .transforms import *
+from .augment import *
 from .pipeline import *
 from .loader import *
 from .data import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, pipeline, loader, data
-__all__ = [n for m in (core, transforms, pipeline, loader, data) for n in m.__all__]
+from . import core, transforms, augment, pipeline, loader, data
+__all__ = [n for m in (core, transforms, augment, pipeline, loader, data) for n in m.__all__]

@@ -20,7 +20,8 @@ from .transforms import *
 from .pipeline import *
 
 # %% auto #0
-__all__ = ['PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL']
+__all__ = ['PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL',
+           'augment_seed']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _created_cls(f):
@@ -223,7 +224,12 @@ def _signature(self:DaliDL):
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop)
 
-# %% ../nbs/03_loader.ipynb #c021
+# %% ../nbs/03_loader.ipynb #c022
+def augment_seed(seed, shard_id=0):
+    "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
+    return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
+
+# %% ../nbs/03_loader.ipynb #c023
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
@@ -245,7 +251,8 @@ def _build(self:DaliDL):
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
                            num_shards=self.num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
-                           num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'), seed=seed,
+                           num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
+                           seed=augment_seed(seed, self.shard_id),
                            prefetch_queue_depth=self.prefetch, reader_seed=seed,
                            mask_files=None if masks is None else [masks[i] for i in idxs], **kw)
     track_pipeline(pipe)
@@ -263,7 +270,7 @@ def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
     self._dali = None
 
-# %% ../nbs/03_loader.ipynb #c023
+# %% ../nbs/03_loader.ipynb #c025
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -274,7 +281,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c024
+# %% ../nbs/03_loader.ipynb #c026
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -302,7 +309,7 @@ def __iter__(self:DaliDL):
     self._in_epoch = False
     self.after_iter()
 
-# %% ../nbs/03_loader.ipynb #c026
+# %% ../nbs/03_loader.ipynb #c028
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"

@@ -9,6 +9,7 @@ from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from .core import *
 from .transforms import *
+import fastai_dali.augment  # registers the augmentation translations
 
 # %% auto #0
 __all__ = ['fastai_pipeline', 'track_pipeline']

@@ -55,10 +55,13 @@ class DaliGraph:
         k = (id(tfm), key)
         if k not in self.rand: self.rand[k] = fn.random.uniform(range=[0.,1.])
         return self.rand[k]
+    def shape(self, img):
+        "Shape of `img` (HWC) as a CPU DataNode"
+        # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
+        return self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
     def hw(self, img):
         "Current height and width of `img`, as CPU int DataNodes"
-        # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
-        sh = self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
+        sh = self.shape(img)
         return sh[0], sh[1]
     def note(self, tfm, how, detail=''):
         if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))
@@ -70,6 +73,8 @@ class OutputSpec:
         self.n_ch,self.float,self.chw,self.div_mask = n_ch,False,False,1
         self.mean,self.std = [0.]*n_ch,[1.]*n_ch
         self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
+        self.stages = []  # graph steps `f(img, g)->img` of translated batch transforms, run before the output op
+        self.normalized = False  # once `Normalize` is fused, no batch step can run before the output op any more
 
     def __call__(self, img):
         kw = {} if self.crop is None else dict(zip(('crop_h','crop_w','crop_pos_y','crop_pos_x'), self.crop))
@@ -205,6 +210,7 @@ def _normalize(tfm, out):
     mean,std = np.broadcast_to(mean, (out.n_ch,)),np.broadcast_to(std, (out.n_ch,))
     out.mean = [float(m*out.div) for m in mean]
     out.std = [float(s*out.div) for s in std]
+    out.normalized = True
     return True
 
 # %% ../nbs/01_transforms.ipynb #c032
@@ -215,10 +221,12 @@ class DaliPlan:
         self.items = L((t, item_translation(t)) for t in item_tfms)
         self.python = any(f.python(t) for t,f in self.items)
         self.out = OutputSpec(1 if mode=='L' else 3)
-        n = 0  # only a leading run of batch transforms can be fused: the rest must see DALI's output
+        n,self.details = 0,[]  # only a leading run of batch transforms can be fused: the rest must see DALI's output
         for t in batch_tfms:
             f = _lookup(_batch_translations, t)
-            if f is None or not f(t, self.out): break
+            res = f is not None and f(t, self.out)
+            if not res: break
+            self.details.append(res if isinstance(res, str) else 'fused in crop_mirror_normalize')
             n += 1
         self.fused,self.rest = L(batch_tfms[:n]),L(batch_tfms[n:])
 
@@ -230,6 +238,8 @@ class DaliPlan:
             if f is not _to_tensor: img = self.out.flush_crop(img)
             img = f(t, img, g)
             if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
+        if self.out.stages: img = self.out.flush_crop(img)
+        for s in self.out.stages: img = s(img, g)
         return self.out(img)
 
     def masks(self, m, g):
@@ -238,11 +248,14 @@ class DaliPlan:
         for t,f in self.items:
             if f is not _to_tensor: m = g.out.flush_crop(m)
             m = f(t, m, g)
-        return g.out.flush_crop(m)
+        m = g.out.flush_crop(m)
+        for s in self.out.stages:  # geometric batch steps (an affine warp) move the masks with the images
+            if getattr(s, 'geometric', False): m = s(m, g)
+        return m
 
     def report(self, log=()):
         "Rows of (stage, transform, how, detail)"
         rows = [('item',)+r for r in log]
-        rows += [('batch', type(t).__name__, 'native', 'fused in crop_mirror_normalize') for t in self.fused]
+        rows += [('batch', type(t).__name__, 'native', d) for t,d in zip(self.fused, self.details)]
         rows += [('batch', type(t).__name__, 'fastai', 'fastai batch transform on the DALI output') for t in self.rest]
         return rows

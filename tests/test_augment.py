@@ -1,0 +1,255 @@
+"""Augmentations: statistical parity of the DALI translations with fastai's own transforms.
+
+The images are coordinate ramps (lossless PNG): red = 4*x, green = 4*y on a 64x64 image (or x/y scaled to 0..255 on
+a non-square one for crops), so every output pixel says which source pixel it was sampled from. From each output we
+recover the transform (crop window, flip, affine matrix, warp) by least squares on the central pixels, and we compare
+the distribution of the recovered parameters over a few hundred DALI samples with the same measurement on fastai's
+own transforms applied to the same images. Lighting is measured the same way in logit space, per channel.
+
+Tolerances are ~4 standard errors of the compared statistic at these sample sizes (stated per test); the measured
+differences are printed with `-s`. Each test also checks a wrong hypothesis fails (e.g. p=0.5 vs fastai with p=0.9).
+"""
+import math
+import numpy as np, pytest, torch
+from PIL import Image
+from fastai.vision.all import (Resize, RandomResizedCrop, RandomCrop, CropPad, FlipItem, DihedralItem, Flip, Rotate,
+                               Zoom, Warp, Brightness, Contrast, Saturation, Dihedral, aug_transforms, PILImage,
+                               TensorImage, IntToFloatTensor, Normalize, imagenet_stats, setup_aug_tfms, set_seed)
+from fastai_dali.data import DaliDataLoaders
+from fastai_dali.loader import DaliDL
+from fastai_dali.loader import augment_seed
+from test_parity import DEVICE, plain
+
+N = 256  # samples per side
+
+def ramp(w, h):
+    x,y = np.meshgrid(np.arange(w), np.arange(h))
+    return np.stack([x*255/(w-1), y*255/(h-1), np.full_like(x, 128.)], -1).round().astype(np.uint8)
+
+def ramp_folder(root, w, h, n=32, colour=False):
+    a = ramp(w, h)
+    if colour: a = np.stack([a[...,0]*0.8+20, a[...,1]*0.8+20, (255-a[...,0])*0.8+20], -1).astype(np.uint8)
+    for split in ('train', 'valid'):
+        (root/split/'a').mkdir(parents=True, exist_ok=True)
+        for i in range(n): Image.fromarray(a).save(root/split/'a'/f'{i}.png')
+    return root, a
+
+def dali_samples(root, item_tfms, batch_tfms=None, n=N, seed=0, bs=32):
+    "n training outputs (float, [0,1], BCHW) of a DaliDataLoaders on `root`"
+    dls = DaliDataLoaders.from_folder(root, item_tfms=item_tfms, batch_tfms=batch_tfms, bs=bs, seed=seed, device=DEVICE)
+    out = []
+    assert len(dls.train) > 0, 'bs larger than the training set: no full batch'
+    while sum(len(o) for o in out) < n:
+        out += [plain(x).float() for x,_ in dls.train]
+    return torch.cat(out)[:n]
+
+def fastai_items(a, tfm, n=N):
+    "n outputs of fastai item transform `tfm` on image `a` (training split), as float BCHW in [0,1]"
+    res = [np.asarray(tfm(PILImage.create(a), split_idx=0)) for _ in range(n)]
+    return torch.tensor(np.stack(res)).permute(0,3,1,2).float()/255
+
+def fastai_batch(a, tfm, n=N):
+    "n outputs of fastai batch transform `tfm` on copies of image `a` (training split)"
+    x = TensorImage(torch.tensor(a).permute(2,0,1).float()[None].repeat(n,1,1,1)/255)
+    return plain(tfm(x, split_idx=0)).float()
+
+def src_coords(x, w, h):
+    "Source pixel coordinates (sx, sy) each output pixel was sampled from, from the ramp's red/green channels"
+    return x[:,0]*(w-1), x[:,1]*(h-1)
+
+def fit_affine(x, w, h, margin=0.25):
+    "(B,2,3) least-squares affine map output pixel -> source pixel on the central part of each output"
+    sx,sy = src_coords(x, w, h)
+    B,H,W = sx.shape
+    ys,xs = torch.meshgrid(torch.arange(H).float(), torch.arange(W).float(), indexing='ij')
+    c = (xs >= W*margin) & (xs < W*(1-margin)) & (ys >= H*margin) & (ys < H*(1-margin))
+    A = torch.stack([xs[c], ys[c], torch.ones(int(c.sum()))], 1)
+    sol = torch.linalg.lstsq(A[None].expand(B,-1,-1), torch.stack([sx[:,c], sy[:,c]], 2)).solution  # (B,3,2)
+    resid = (A @ sol - torch.stack([sx[:,c], sy[:,c]], 2)).abs().mean((1,2))
+    return sol.transpose(1,2), resid
+
+def quantiles(v, qs=(0.1, 0.25, 0.5, 0.75, 0.9)): return np.quantile(np.asarray(v), qs)
+
+def compare(name, ours, theirs, tol, qs=(0.1, 0.25, 0.5, 0.75, 0.9)):
+    "Assert the quantiles of two samples agree within `tol`; returns the largest difference"
+    a,b = quantiles(ours, qs),quantiles(theirs, qs)
+    d = np.abs(a-b).max()
+    print(f'{name}: dali {np.round(a,3)} fastai {np.round(b,3)} max |diff| {d:.3f} (tol {tol})')
+    assert d <= tol, (name, a, b)
+    return d
+
+# --- item transforms -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def wide(tmp_path_factory): return ramp_folder(tmp_path_factory.mktemp('wide'), 240, 160)
+
+@pytest.fixture(scope='module')
+def square(tmp_path_factory): return ramp_folder(tmp_path_factory.mktemp('square'), 64, 64)
+
+def crop_windows(x, w, h):
+    "Recovered crop windows: (area fraction, log aspect ratio, x centre, y centre) of each output"
+    sx,sy = src_coords(x, w, h)
+    S = x.shape[-1]
+    # an output of S px spans S*scale source px; pixel centres span (S-1)*scale
+    cw = (sx[:,:,-1]-sx[:,:,0]).mean(1)*S/(S-1)
+    ch = (sy[:,-1,:]-sy[:,0,:]).mean(1)*S/(S-1)
+    return (cw*ch/(w*h)).numpy(), np.log(cw/ch).numpy(), (sx.mean((1,2))/w).numpy(), (sy.mean((1,2))/h).numpy()
+
+def test_random_resized_crop_distribution(wide):
+    root,a = wide
+    rrc = RandomResizedCrop(32, min_scale=0.08)
+    ours,theirs = crop_windows(dali_samples(root, rrc), 240, 160),crop_windows(fastai_items(a, rrc), 240, 160)
+    # area U(0.08,1) (clipped by fit), quantile s.e. ~0.03: tol 0.1; log-ratio s.e. ~0.03: tol 0.1; centres: 0.08
+    for nm,o,t,tol in zip(('area', 'log ratio', 'x centre', 'y centre'), ours, theirs, (0.1, 0.1, 0.08, 0.08)):
+        compare(f'RandomResizedCrop {nm}', o, t, tol)
+    with pytest.raises(AssertionError):  # the check can fail: fastai with min_scale=0.5
+        compare('RandomResizedCrop area vs min_scale=0.5', ours[0], crop_windows(fastai_items(a, RandomResizedCrop(32, min_scale=0.5)), 240, 160)[0], 0.1)
+
+def test_random_resized_crop_fallback(tmp_path):
+    "A 10:1 image: no window of ratio <= 4/3 fits most attempts, so both fall back to the clamped centre crop"
+    root,a = ramp_folder(tmp_path, 300, 30, n=16)
+    rrc = RandomResizedCrop(16, min_scale=0.5)
+    ours,theirs = crop_windows(dali_samples(root, rrc, n=128, bs=8), 300, 30),crop_windows(fastai_items(a, rrc, n=128), 300, 30)
+    compare('RRC fallback area', ours[0], theirs[0], 0.03)
+    compare('RRC fallback log ratio', ours[1], theirs[1], 0.05)
+
+def test_random_resized_crop_valid_matches_fastai(wide):
+    root,a = wide
+    rrc = RandomResizedCrop(32)
+    dls = DaliDataLoaders.from_folder(root, item_tfms=rrc, bs=8, device=DEVICE)
+    x = plain(next(iter(dls.valid))[0]).float()
+    exp = torch.tensor(np.asarray(rrc(PILImage.create(a), split_idx=1))).permute(2,0,1).float()/255
+    d = (x - exp).abs().mean().item()*255
+    print(f'RandomResizedCrop valid mean |diff| {d:.3f}/255')
+    assert d < 1.0   # measured ~0.2 on the CPU backend
+
+def test_flip_item_rate(square):
+    root,a = square
+    for p in (0.5, 0.9):
+        x = dali_samples(root, [Resize(64), FlipItem(p=p)])
+        flipped = (x[:,0,:,-1] < x[:,0,:,0]).float().mean(1) > 0.5
+        rate = flipped.float().mean().item()
+        print(f'FlipItem p={p}: measured {rate:.3f}')
+        assert abs(rate - p) < 0.125   # s.e. 0.031 at N=256: 4 s.e.
+    # unflipped outputs are the image exactly (lossless PNG, identity resize)
+    assert ((x[~flipped]*255).round() == torch.tensor(a).permute(2,0,1).float()).all()
+
+def test_random_crop_and_croppad(wide):
+    root,a = wide
+    x = dali_samples(root, RandomCrop(48), n=128)
+    _,_,cx,cy = crop_windows(x, 240, 160)
+    # top-left uniform in [0, 192] x [0, 112]: centres uniform in [0.1, 0.9] x [0.15, 0.85]
+    compare('RandomCrop x centre', cx, np.random.default_rng(0).uniform(0.1, 0.9, 4096), 0.1)
+    compare('RandomCrop y centre', cy, np.random.default_rng(1).uniform(0.15, 0.85, 4096), 0.1)
+    for tfm in (RandomCrop(48), CropPad(48), CropPad((300, 100))):
+        dls = DaliDataLoaders.from_folder(root, item_tfms=tfm, bs=4, device=DEVICE)
+        got = (plain(next(iter(dls.valid))[0][0]).float()*255).round()
+        exp = torch.tensor(np.asarray(tfm(PILImage.create(a), split_idx=1))).permute(2,0,1).float()
+        assert got.shape == exp.shape, (tfm, got.shape, exp.shape)
+        assert (got == exp).all(), (tfm, (got-exp).abs().max())   # exact: a crop (and zero padding) of a lossless image
+
+def test_dihedral_item_is_one_of_eight(tmp_path):
+    root,a = ramp_folder(tmp_path, 16, 16, n=8)   # square: fastai could not collate mixed orientations either
+    x = (dali_samples(root, DihedralItem(), n=96, bs=8)*255).round()
+    options = [torch.tensor(np.asarray(PILImage.create(a).transpose(k-1) if k else PILImage.create(a))).permute(2,0,1).float()
+               for k in range(8)]
+    seen = set()
+    for o in x:
+        k = [i for i,e in enumerate(options) if e.shape == o.shape and (e == o).all()]
+        assert len(k) == 1; seen.add(k[0])
+    assert seen == set(range(8))   # all 8 appear (chance of missing one in 96: < 2e-5)
+
+# --- batch transforms ------------------------------------------------------------------------------------------------
+
+def affine_stats(x, w=64, h=64):
+    m,res = fit_affine(x, w, h)
+    L = m[:,:,:2]
+    flip = (L[:,0,0] * L[:,1,1] - L[:,0,1]*L[:,1,0]) < 0
+    scale = L.det().abs().sqrt()
+    angle = torch.rad2deg(torch.atan2(L[:,1,0], L[:,1,1]*torch.where(flip, -1., 1.)))
+    return flip.numpy(), scale.numpy(), angle.numpy(), res.numpy()
+
+def test_affine_flip_rotate_zoom(square):
+    root,a = square
+    for tfm,check in ((Flip(p=0.5), 'flip'), (Rotate(max_deg=30, p=0.75), 'angle'), (Zoom(max_zoom=1.5, p=0.75), 'scale')):
+        f_o,s_o,a_o,r_o = affine_stats(dali_samples(root, Resize(64), [tfm]))
+        f_t,s_t,a_t,r_t = affine_stats(fastai_batch(a, tfm))
+        print(f'{type(tfm).__name__}: fit residual dali {r_o.mean():.3f} fastai {r_t.mean():.3f} px')
+        assert r_o.mean() < 0.5 and r_t.mean() < 0.5   # the recovered maps are affine
+        if check == 'flip':
+            print(f'Flip rate dali {f_o.mean():.3f} fastai {f_t.mean():.3f}'); assert abs(f_o.mean() - f_t.mean()) < 0.17
+        if check == 'angle': compare('Rotate angle (deg)', a_o, a_t, 5.)     # U(-30,30) w.p. 0.75: quantile s.e. ~1.5 deg
+        if check == 'scale': compare('Zoom 1/scale', 1/s_o, 1/s_t, 0.06)     # U(1,1.5) w.p. 0.75: s.e. ~0.015
+
+def distortion(x, w=64, h=64):
+    "Mean distance (px) between where each central output pixel was sampled from and where it would be unwarped"
+    sx,sy = src_coords(x, w, h)
+    ys,xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing='ij')
+    sl = slice(h//4, 3*h//4)
+    return ((sx-xs)**2 + (sy-ys)**2).sqrt()[:, sl, sl].mean((1,2)).numpy()
+
+def test_warp_and_aug_transforms(square):
+    root,a = square
+    # distortions spread over 0-14 px; at N=512 the difference of two samples' quantiles has s.e. up to ~0.85 px (tails)
+    # and of their means ~0.25 px. Population check (4,000 matrices vs fastai's grids): quantiles within 0.3 px.
+    for name,tfms in (('Warp(0.4)', [Warp(magnitude=0.4, p=0.75)]), ('aug_transforms', aug_transforms())):
+        xo,xt = dali_samples(root, Resize(64), tfms, n=512),fastai_batch(a, _compose(tfms), n=512)
+        ours,theirs = distortion(xo),distortion(xt)
+        fo,ft = affine_stats(xo)[0].mean(),affine_stats(xt)[0].mean()
+        print(f'{name} flip rate dali {fo:.3f} fastai {ft:.3f}')
+        assert abs(fo - ft) < 0.125
+        # aug_transforms flips half the images (a ~16 px mode): the median sits between two modes, so it is left out
+        compare(f'{name} distortion (px)', ours, theirs, 2.5, qs=(0.1, 0.25, 0.75, 0.9))
+        print(f'{name} mean distortion dali {ours.mean():.2f} fastai {theirs.mean():.2f}')
+        assert abs(ours.mean() - theirs.mean()) < 1.0
+    with pytest.raises(AssertionError):  # the check can fail: Warp 0.4 vs 0.1
+        compare('Warp 0.4 vs 0.1', distortion(dali_samples(root, Resize(64), [Warp(0.4, p=0.75)])),
+                distortion(fastai_batch(a, Warp(0.1, p=0.75))), 2.5)
+
+def _compose(tfms):
+    def f(x, split_idx=0):
+        for t in sorted(tfms, key=lambda t: t.order): x = t(x, split_idx=split_idx)
+        return x
+    return f
+
+def logit(x): return torch.logit(x.clamp(1/512, 1-1/512))
+
+def lighting_fit(x, a):
+    "Per-sample (M, T) with logit(out) = M @ logit(in) + T, least squares over the pixels"
+    li = logit(torch.tensor(a).float().permute(2,0,1).reshape(3,-1)/255)
+    lo = logit(x.reshape(len(x), 3, -1))
+    A = torch.cat([li, torch.ones(1, li.shape[1])]).T          # (P,4)
+    sol = torch.linalg.lstsq(A[None].expand(len(x),-1,-1), lo.transpose(1,2)).solution  # (B,4,3)
+    return sol[:,:3].transpose(1,2), sol[:,3]
+
+@pytest.fixture(scope='module')
+def colour(tmp_path_factory): return ramp_folder(tmp_path_factory.mktemp('colour'), 64, 64, colour=True)
+
+def test_lighting(colour):
+    root,a = colour
+    w0 = 0.2989
+    for tfm,param in ((Brightness(max_lighting=0.4, p=0.75), lambda M,T: torch.sigmoid(T.mean(1))),
+                      (Contrast(max_lighting=0.4, p=0.75), lambda M,T: M.diagonal(dim1=1, dim2=2).mean(1)),
+                      (Saturation(max_lighting=0.4, p=0.75), lambda M,T: (M[:,0,0]-w0)/(1-w0))):
+        ours,theirs = param(*lighting_fit(dali_samples(root, Resize(64), [tfm]), a)),param(*lighting_fit(fastai_batch(a, tfm), a))
+        # parameters log-uniform over [0.6, 1.67] (brightness: [0.3, 0.7]) w.p. 0.75: at N=256 the difference of two
+        # samples' quantiles has s.e. up to ~0.05 (measured max |diff| 0.03-0.07); tol 0.15
+        compare(f'{type(tfm).__name__} parameter', ours.numpy(), theirs.numpy(), 0.15)
+        if isinstance(tfm, Contrast): c_ours = ours.numpy()
+    with pytest.raises(AssertionError):  # the check can fail: contrast 0.4 vs 0.1
+        compare('Contrast 0.4 vs 0.1', c_ours, lighting_fit(fastai_batch(a, Contrast(0.1, p=0.75)), a)[0].diagonal(dim1=1, dim2=2).mean(1).numpy(), 0.15)
+
+# --- reproducibility -------------------------------------------------------------------------------------------------
+
+def test_seed_reproducible_epochs_differ(square):
+    root,_ = square
+    def mk(seed):  # fastai's way: `set_seed` before creating the loaders seeds each loader's rng, hence its DALI seed
+        set_seed(seed)
+        return DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(32), batch_tfms=aug_transforms(), bs=16,
+                                           device=DEVICE)
+    d1,d2,d3 = mk(3),mk(3),mk(4)
+    e1 = [plain(x) for x,_ in d1.train]
+    assert all((a == b).all() for a,b in zip(e1, [plain(x) for x,_ in d2.train]))   # same seed: same batches
+    assert not all((a == b).all() for a,b in zip(e1, [plain(x) for x,_ in d3.train]))
+    assert not all((a == b).all() for a,b in zip(e1, [plain(x) for x,_ in d1.train]))  # next epoch: new draws
+    assert len({augment_seed(3, s) for s in range(4)}) == 4   # each shard its own augmentation seed
