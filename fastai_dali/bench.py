@@ -5,13 +5,14 @@
 # %% ../nbs/07_bench.ipynb #c003
 from __future__ import annotations
 from nvidia.dali import pipeline_def, fn, types
+from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
 from .pipeline import track_pipeline
 from .demo import loader_throughput
 
 # %% auto #0
-__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'compare_loaders', 'results_markdown']
+__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'raw_dali_aug_pipeline', 'compare_loaders', 'results_markdown']
 
 # %% ../nbs/07_bench.ipynb #c004
 @pipeline_def
@@ -26,12 +27,10 @@ def raw_dali_pipeline(files, labels, size=224, shuffle=False, mean=(0.485,0.456,
                                    mean=[m*255 for m in mean], std=[s*255 for s in std])
     return img, (y.gpu() if gpu else y)
 
-from nvidia.dali.pipeline import Pipeline
-
 # %% ../nbs/07_bench.ipynb #c005
-def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=None, shuffle=False, seed=0):
-    "A `DALIGenericIterator` over `raw_dali_pipeline`, yielding `(x, y)` like a fastai loader"
-    pipe = raw_dali_pipeline(files, labels, size=size, shuffle=shuffle, batch_size=bs,
+def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=None, shuffle=False, seed=0, pipeline=None):
+    "A `DALIGenericIterator` over `pipeline` (default `raw_dali_pipeline`), yielding `(x, y)` like a fastai loader"
+    pipe = (pipeline or raw_dali_pipeline)(files, labels, size=size, shuffle=shuffle, batch_size=bs,
                              num_threads=num_threads or default_num_threads(), device_id=dali_device_id(device), seed=seed)
     track_pipeline(pipe)
     it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL,
@@ -39,6 +38,33 @@ def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=No
     return ((d[0]['x'], d[0]['y']) for d in it)
 
 # %% ../nbs/07_bench.ipynb #c008
+def _coin_scale(p, lo, hi, neutral):
+    "A per-sample draw in [lo, hi] with probability `p`, else `neutral`"
+    c = fn.cast(fn.random.coin_flip(probability=p), dtype=types.FLOAT)
+    return c*fn.random.uniform(range=[lo, hi]) + (1-c)*neutral
+
+@pipeline_def
+def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10., max_zoom=1.1, max_lighting=0.2,
+                          p_affine=0.75, p_lighting=0.75, mean=(0.485,0.456,0.406), std=(0.229,0.224,0.225)):
+    "Hand-written DALI with `aug_transforms`-like work: random crop, mirror, rotate+zoom warp, brightness/contrast, normalize"
+    gpu = Pipeline.current().device_id is not None
+    jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
+                              pad_last_batch=True, name='Reader')
+    img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB)
+    img = fn.resize(img, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True)
+    img = fn.crop(img, crop=(size,size), crop_pos_x=fn.random.uniform(range=[0.,1.]), crop_pos_y=fn.random.uniform(range=[0.,1.]))
+    c = [size/2, size/2]
+    z = _coin_scale(p_affine, 1., max_zoom, 1.)
+    mt = fn.transforms.combine(fn.transforms.rotation(angle=_coin_scale(p_affine, -max_rotate, max_rotate, 0.), center=c),
+                               fn.transforms.scale(scale=fn.stack(z, z), center=c))
+    img = fn.warp_affine(img, matrix=mt, inverse_map=False)
+    img = fn.brightness_contrast(img, brightness=_coin_scale(p_lighting, 1-max_lighting, 1+max_lighting, 1.),
+                                 contrast=_coin_scale(p_lighting, 1-max_lighting, 1+max_lighting, 1.))
+    img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(probability=0.5), dtype=types.FLOAT, output_layout='CHW',
+                                   mean=[m*255 for m in mean], std=[s*255 for s in std])
+    return img, (y.gpu() if gpu else y)
+
+# %% ../nbs/07_bench.ipynb #c011
 def compare_loaders(loaders:dict, max_batches=None, warmup=2, repeats=1):
     "Time each loader factory in `loaders`; dict of name -> {'img_s', 'ratio'} (ratio to the first), median of `repeats`"
     res = {}

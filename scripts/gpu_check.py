@@ -155,18 +155,43 @@ def main():
                       splitter=FuncSplitter(lambda n: n.startswith('valid'))).dali_dataloaders(zpath, bs=a.bs, device=a.device)
         loaders['DaliDataLoaders train, get_x -> bytes of a file (external_source)'] = lambda: dls_py.train
         loaders['DaliDataLoaders train, get_x -> zip member (external_source)'] = lambda: dls_zip.train
+    if 'aug' in sections:  # aug_transforms(): hand-written DALI with the same kind of ops vs ours vs ImageDataLoaders
+        from fastai.vision.all import aug_transforms, RandomResizedCrop
+        from fastai_dali.bench import raw_dali_aug_pipeline
+        aug = [*aug_transforms(), Normalize.from_stats(*imagenet_stats)]
+        dls_aug = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=aug, bs=a.bs, device=a.device)
+        dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(a.size, min_scale=0.35), batch_tfms=aug,
+                                              bs=a.bs, device=a.device)
+        fdls_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=aug, bs=a.bs, device=a.device,
+                                                num_workers=a.workers)
+        fdls_rrc = ImageDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(a.size, min_scale=0.35), batch_tfms=aug,
+                                                bs=a.bs, device=a.device, num_workers=a.workers)
+        res['aug_report'] = dls_rrc.train.dali_report().values.tolist()
+        print(dls_rrc.train.dali_report().to_string(), flush=True)
+        aug_loaders = {
+            'raw DALI aug (hand-written: crop, mirror, rotate+zoom warp_affine, brightness_contrast)':
+                lambda: raw_dali_loader(files, labels, bs=a.bs, size=a.size, device=a.device, shuffle=True, pipeline=raw_dali_aug_pipeline),
+            'DaliDataLoaders train, Resize + aug_transforms()': lambda: dls_aug.train,
+            'DaliDataLoaders train, RandomResizedCrop(min_scale=0.35) + aug_transforms()': lambda: dls_rrc.train,
+            f'ImageDataLoaders train ({a.workers} workers), Resize + aug_transforms()': lambda: fdls_aug.train,
+            f'ImageDataLoaders train ({a.workers} workers), RandomResizedCrop + aug_transforms()': lambda: fdls_rrc.train,
+        }
+        res['throughput_aug'] = compare_loaders(aug_loaders, max_batches=a.max_batches, warmup=3, repeats=2)
+        print(results_markdown(res['throughput_aug']), flush=True)
     dls_ex = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                          bs=a.bs, device=a.device)
     dls_sq = DaliDataLoaders.from_folder(root, item_tfms=Resize(a.size, method='squish'),
                                          batch_tfms=Normalize.from_stats(*imagenet_stats), bs=a.bs, device=a.device)
-    thr = compare_loaders(loaders, max_batches=a.max_batches, warmup=3, repeats=2)
+    thr = compare_loaders(loaders, max_batches=a.max_batches, warmup=3, repeats=2) if 'throughput' in sections or 'mixed' in sections else {}
     res['throughput'] = thr
     print(results_markdown(thr), flush=True)
     (out/'gpu_results.json').write_text(json.dumps(res, indent=2))
     md = [f"# fastai_dali on {res['machine']['gpu'] or 'CPU'}", '', '```', json.dumps(res['machine']), res['command'], '```', '',
           '## Valid pixel parity with ImageDataLoaders (|Δ| in 0-255 units)', '', '| method | mean | p99 | max |', '|---|---:|---:|---:|']
     md += [f"| {k} | {v['mean_abs_diff_255']:.2f} | {v['p99_abs_diff_255']:.1f} | {v['max_abs_diff_255']:.0f} |" for k,v in par.items()]
-    md += ['', '## fine_tune', '', '```', json.dumps(res.get('fine_tune')), '```', '', results_markdown(thr, f'Throughput, bs {a.bs}, {a.size}px')]
+    md += ['', '## fine_tune', '', '```', json.dumps(res.get('fine_tune')), '```', '']
+    if thr: md += [results_markdown(thr, f'Throughput, bs {a.bs}, {a.size}px')]
+    if 'throughput_aug' in res: md += ['', results_markdown(res['throughput_aug'], f'Throughput with augmentation, bs {a.bs}, {a.size}px')]
     (out/'gpu_results.md').write_text('\n'.join(md)+'\n')
     print('\n'.join(md))
 
