@@ -275,11 +275,6 @@ class LightingParams:
         M,T = self.params(np.stack(us))
         return [o.astype(np.float32) for o in M],[o.astype(np.float32) for o in T]
 
-    def scalars(self, us):
-        "Brightness and contrast only: `M` is `c*I` and `T` is `t*1`, so per-sample scalars `c`, `t` suffice"
-        M,T = self.params(np.stack(us))
-        return [M[i,:1,0].astype(np.float32) for i in range(len(M))],[T[i,:1].astype(np.float32) for i in range(len(T))]
-
 # %% ../nbs/01b_augment.ipynb #c028
 _lighting_fs = (_BrightnessLogit, _ContrastLogit, _SaturationLogit)
 
@@ -288,21 +283,15 @@ def _lighting(tfm, out):
     fs = list(tfm.fs)
     if (out.normalized or not out.float or not all(type(f) in _lighting_fs and f.draw is None for f in fs)
         or (out.n_ch != 3 and any(isinstance(f, _SaturationLogit) for f in fs))): return False
-    div,mix = out.div,any(isinstance(f, _SaturationLogit) for f in fs)
+    div = out.div
     def stage(img, g):
         if not g.train: return img  # fastai's lighting is a training-split transform
         p = LightingParams(fs, out.n_ch)
-        u = lambda: fn.random.uniform(range=[0.,1.], shape=[p.n_draws])
+        M,T = _cached(g, tfm, 'lighting', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]), num_outputs=2))
         x = dmath.clamp(fn.cast(img, dtype=types.FLOAT) / div, 1e-7, 1-1e-7)
-        if mix:  # saturation mixes channels: a per-sample matrix on the channel vectors
-            M,T = _cached(g, tfm, 'lighting', lambda: _params(p, u(), num_outputs=2))
-            l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
-        else:    # brightness and contrast: one arithmetic expression with per-sample scalars (half the passes)
-            c,t = _cached(g, tfm, 'lighting', lambda: _params(p.scalars, u(), num_outputs=2))
-            if img.device == 'gpu': c,t = c.gpu(),t.gpu()
-            l = c * -dmath.log(1/x - 1) + t
+        l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
         return div / (1 + dmath.exp(-l))  # back in [0, div], as the output op expects
     out.stages.append(stage)
     names = '+'.join(type(f).__name__.strip('_').replace('Logit','').lower() for f in fs)
-    how = 'one fn.coord_transform per sample' if mix else 'one arithmetic expression'
+    how = 'one fn.coord_transform per sample'
     return f'{names}: logit, {how}, sigmoid (training split)'

@@ -325,7 +325,7 @@ def test_lighting_pixels_match_fastai_with_same_draws(with_saturation):
     lu = lambda v: np.log(v)/(-2*math.log(0.6)) + 0.5
     u = np.stack([[0]*4, (np.array(bs_)-.3)/.4, [0]*4, lu(np.array(cs))] + ([[0]*4, lu(np.array(ss))] if with_saturation else []), 1)
     p = LightingParams(t.fs)
-    params = p(list(u)) if with_saturation else p.scalars(list(u))
+    params = p(list(u))
     out = OutputSpec(); _int2float(IntToFloatTensor(), out)
     assert dali_transforms_batch(t, out)
     gpu = DEVICE != 'cpu'
