@@ -343,3 +343,16 @@ def test_lighting_pixels_match_fastai_with_same_draws(with_saturation):
     print(f'lighting (saturation={with_saturation}): mean |diff| {d.mean():.4f}/255, max {d.max():.4f}; change {change:.1f}/255')
     assert change > 5   # the draws do change the images
     assert d.max() < 0.05   # float32 on both sides, no rounding: measured max < 1e-4 (CPU backend)
+
+def test_untranslated_batch_tfms_run_as_fastai(square):
+    "Hue and RandomErasing have no translation: they run as fastai batch transforms, in order, and so does Normalize after them"
+    from fastai.vision.all import Hue, RandomErasing
+    root,_ = square
+    dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(64), bs=8, device=DEVICE,
+                                      batch_tfms=[*aug_transforms(), Hue(p=1.), RandomErasing(p=1.), Normalize.from_stats(*imagenet_stats)])
+    r = dls.train.dali_report().set_index('transform').how
+    assert r['Flip'] == r['Brightness'] == 'native'
+    assert r['Hue'] == r['Normalize'] == r['RandomErasing'] == 'fastai'   # Normalize comes after Hue: not fused
+    assert [type(t).__name__ for t in dls.train._dali[1].rest] == ['Hue', 'Normalize', 'RandomErasing']
+    x,_ = dls.one_batch()
+    assert x.shape == (8, 3, 64, 64) and type(x) == TensorImage and x.device.type == torch.device(DEVICE).type
