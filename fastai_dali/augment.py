@@ -9,8 +9,8 @@ import numpy as np
 from functools import partial
 from fastcore.basics import *
 from fastai.vision.augment import (FlipItem, DihedralItem, RandomResizedCrop, RandomCrop, CropPad, PadMode,
-    AffineCoordTfm, LightingTfm, flip_mat, rotate_mat, zoom_mat, dihedral_mat, _WarpCoord, _BrightnessLogit,
-    _ContrastLogit, _SaturationLogit)
+    AffineCoordTfm, LightingTfm, HSVTfm, RandomErasing, flip_mat, rotate_mat, zoom_mat, dihedral_mat, _WarpCoord,
+    _BrightnessLogit, _ContrastLogit, _SaturationLogit, _Hue)
 from .transforms import *
 from .transforms import _np_crop_pad, _f32
 from nvidia.dali import fn, types
@@ -18,7 +18,7 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'affine_mat', 'warp_homography', 'AffineParams',
-           'LightingParams']
+           'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
 
 # %% ../nbs/01b_augment.ipynb #c005
 def _coin(g, tfm, key, p):
@@ -230,7 +230,7 @@ def _affine_ok(tfm):
 
 @dali_batch_tfm(AffineCoordTfm)
 def _affine(tfm, out):
-    if out.normalized or not _affine_ok(tfm): return False
+    if out.normalized or out.post or not _affine_ok(tfm): return False
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
         if not g.train and tfm.cp_size is None: return img  # fastai's identity grid
@@ -281,7 +281,7 @@ _lighting_fs = (_BrightnessLogit, _ContrastLogit, _SaturationLogit)
 @dali_batch_tfm(LightingTfm)
 def _lighting(tfm, out):
     fs = list(tfm.fs)
-    if (out.normalized or not out.float or not all(type(f) in _lighting_fs and f.draw is None for f in fs)
+    if (out.normalized or out.post or not out.float or not all(type(f) in _lighting_fs and f.draw is None for f in fs)
         or (out.n_ch != 3 and any(isinstance(f, _SaturationLogit) for f in fs))): return False
     div = out.div
     def stage(img, g):
@@ -295,3 +295,93 @@ def _lighting(tfm, out):
     names = '+'.join(type(f).__name__.strip('_').replace('Logit','').lower() for f in fs)
     how = 'one fn.coord_transform per sample'
     return f'{names}: logit, {how}, sigmoid (training split)'
+
+# %% ../nbs/01b_augment.ipynb #c031
+class HueParams:
+    "Per-sample hue shifts of fastai `_Hue` functions `fs` (summed: shifts compose modulo 1), from U(0,1) draws"
+    def __init__(self, fs): self.fs = list(fs)
+    n_draws = property(lambda self: 2*len(self.fs))
+    def shifts(self, u):
+        d,res = _Draws(u),np.zeros(len(u))
+        for f in self.fs:
+            keep,v = d(f.batch) < f.p, d(f.batch)
+            lo = math.log(1-f.max_hue)
+            res = res + np.where(keep, np.exp(lo + v*(-2*lo)), 0.)
+        return res
+    def __call__(self, us): return [np.array([o], dtype=np.float32) for o in self.shifts(np.stack(us))]
+
+def hue_shift(x, shift):
+    "fastai's `hsv2rgb(rgb2hsv(x))` with the hue moved by `shift` (mod 1), as DALI arithmetic on HWC floats in [0,1]"
+    r,g,b = x[:,:,0],x[:,:,1],x[:,:,2]
+    mx,mn = dmath.max(dmath.max(r, g), b),dmath.min(dmath.min(r, g), b)
+    eqc = mx == mn
+    cr = mx - mn
+    s,crd = cr / (mx + eqc),cr + eqc   # fastai's `torch.where(eqc, 1, ...)` divisors
+    rc,gc,bc = (mx-r)/crd,(mx-g)/crd,(mx-b)/crd
+    h = (mx == r)*(bc-gc) + ((mx == g) & (mx != r))*(2.+rc-bc) + ((mx != g) & (mx != r))*(4.+gc-rc)
+    h = h/6. + 1.; h = h - dmath.floor(h)             # torch.fmod(h/6 + 1, 1)
+    h = h + shift; h = h - dmath.floor(h)             # the shift, modulo 1
+    v,i = mx,dmath.floor(h*6.)
+    f = h*6. - i
+    p,q,t = (dmath.clamp(v*(1.-s), 0., 1.), dmath.clamp(v*(1.-s*f), 0., 1.), dmath.clamp(v*(1.-s*(1.-f)), 0., 1.))
+    i = i - 6.*dmath.floor(i/6.)
+    sel = lambda *vals: sum((i == float(k)) * o for k,o in enumerate(vals))
+    return fn.reshape(fn.stack(sel(v,q,p,p,t,v), sel(t,v,v,q,p,p), sel(p,p,t,v,v,q), axis=2), layout='HWC')
+
+# %% ../nbs/01b_augment.ipynb #c032
+@dali_batch_tfm(HSVTfm)
+def _hsv(tfm, out):
+    fs = list(tfm.fs)
+    if (out.normalized or out.post or not out.float or out.n_ch != 3
+        or not all(type(f) is _Hue and f.draw is None for f in fs)): return False
+    div = out.div
+    def stage(img, g):
+        if not g.train: return img  # a training-split transform, as fastai's
+        p = HueParams(fs)
+        shift = _cached(g, tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
+        if img.device == 'gpu': shift = shift.gpu()
+        return hue_shift(fn.cast(img, dtype=types.FLOAT) / div, shift) * div
+    out.stages.append(stage)
+    return 'hue: fastai\'s RGB->HSV->RGB as DALI arithmetic per pixel (training split)'
+
+# %% ../nbs/01b_augment.ipynb #c034
+class ErasingParams:
+    "fastai `RandomErasing`'s rectangles for one batch (shared by all samples): per-sample `anchor` and `shape` (y,x)"
+    def __init__(self, tfm, chw=True):
+        store_attr('tfm,chw')
+        self.n_draws = 2 + 4*tfm.max_count
+    def rects(self, u, H, W):
+        t,d = self.tfm,iter(u)
+        do,uc = next(d) < t.p, next(d)
+        count = 1 + min(int(uc*t.max_count), t.max_count-1)   # random.randint(1, max_count)
+        area,res = H*W/count,[]
+        for k in range(t.max_count):
+            ua,ur,uy,ux = next(d),next(d),next(d),next(d)
+            if not do or k >= count: continue
+            r_area = (t.sl + ua*(t.sh-t.sl))*area
+            aspect = math.exp(t.log_ratio[0] + ur*(t.log_ratio[1]-t.log_ratio[0]))
+            bh,bw = int(round(math.sqrt(r_area*aspect))),int(round(math.sqrt(r_area/aspect)))   # fastai's `_slice`
+            y0 = min(int(uy*(max(H-bh, 0)+1)), max(H-bh, 0)); x0 = min(int(ux*(max(W-bw, 0)+1)), max(W-bw, 0))
+            res.append((y0, x0, min(bh, H-y0), min(bw, W-x0)))
+        return res
+    def __call__(self, us, shapes):
+        sh = shapes[0]
+        H,W = (sh[1],sh[2]) if self.chw else (sh[0],sh[1])
+        rs = self.rects(us[0], int(H), int(W)) or [(0,0,0,0)]
+        anchor,shape = np.array([r[:2] for r in rs], np.float32).ravel(),np.array([r[2:] for r in rs], np.float32).ravel()
+        return [anchor]*len(us),[shape]*len(us)
+
+# %% ../nbs/01b_augment.ipynb #c035
+@dali_batch_tfm(RandomErasing)
+def _random_erasing(tfm, out):
+    if not out.float: return False
+    def post(img, g):
+        if not g.train: return img
+        layout = 'CHW' if out.chw else 'HWC'  # known once the item translations ran (`ToTensor` sets it)
+        p = ErasingParams(tfm, out.chw)
+        anchor,shape = _cached(g, tfm, 'erase', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]),
+                                                             img.shape(device='cpu'), num_outputs=2))
+        keep = fn.erase(fn.reshape(img*0. + 1., layout=layout), anchor=anchor, shape=shape, axis_names='HW', fill_value=0)
+        return img*keep + fn.random.normal(img)*(1.-keep)
+    out.post.append(post)
+    return 'one set of rectangles per batch (as fastai): fn.erase mask + fn.random.normal fill, after crop_mirror_normalize (training split)'

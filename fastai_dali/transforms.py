@@ -75,6 +75,7 @@ class OutputSpec:
         self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
         self.stages = []  # graph steps `f(img, g)->img` of translated batch transforms, run before the output op
         self.normalized = False  # once `Normalize` is fused, no batch step can run before the output op any more
+        self.post = []  # graph steps run after the output op (on its CHW float output), e.g. `RandomErasing`
 
     def __call__(self, img):
         kw = {} if self.crop is None else dict(zip(('crop_h','crop_w','crop_pos_y','crop_pos_x'), self.crop))
@@ -206,7 +207,7 @@ def _int2float(tfm, out):
 def _normalize(tfm, out):
     mean,std = (np.asarray(getattr(tfm, o).detach().cpu() if hasattr(getattr(tfm, o), 'detach') else getattr(tfm, o),
                            dtype=np.float64).ravel() for o in ('mean','std'))
-    if not out.float or tfm.axes != (0,2,3) or len(mean) not in (1, out.n_ch): return False
+    if not out.float or out.post or tfm.axes != (0,2,3) or len(mean) not in (1, out.n_ch): return False
     mean,std = np.broadcast_to(mean, (out.n_ch,)),np.broadcast_to(std, (out.n_ch,))
     out.mean = [float(m*out.div) for m in mean]
     out.std = [float(s*out.div) for s in std]
@@ -240,7 +241,9 @@ class DaliPlan:
             if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
         if self.out.stages: img = self.out.flush_crop(img)
         for s in self.out.stages: img = s(img, g)
-        return self.out(img)
+        img = self.out(img)
+        for s in self.out.post: img = s(img, g)
+        return img
 
     def masks(self, m, g):
         "The same item translations on masks `m` (HWC uint8), with the images' random draws in `g.rand`"

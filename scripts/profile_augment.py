@@ -5,7 +5,7 @@
 import argparse, json, os
 from pathlib import Path
 from fastai.vision.all import (Resize, Normalize, imagenet_stats, aug_transforms, Flip, Rotate, Zoom, Warp, Brightness,
-                               Contrast, RandomResizedCrop, FlipItem)
+                               Contrast, Saturation, Hue, RandomErasing, RandomResizedCrop, FlipItem)
 from fastai_dali.all import DaliDataLoaders
 from fastai_dali.bench import compare_loaders, results_markdown
 
@@ -21,11 +21,15 @@ def main():
              'Rotate': (Resize(224), [Rotate()]),
              'Warp': (Resize(224), [Warp()]),
              'Brightness + Contrast': (Resize(224), [Brightness(), Contrast()]),
+             'Saturation': (Resize(224), [Saturation()]),
+             'Hue': (Resize(224), [Hue()]),
+             'RandomErasing (after Normalize)': (Resize(224), [RandomErasing()]),
              'aug_transforms()': (Resize(224), aug_transforms()),
              'RandomResizedCrop only': (RandomResizedCrop(224, min_scale=0.35), [])}
     loaders = {}
     for k,(it,bt) in cases.items():
         dls = DaliDataLoaders.from_folder(a.data, item_tfms=it, batch_tfms=[*bt, norm], bs=a.bs, device='cuda')
+        assert all(dls.train.dali_report().how == 'native'), dls.train.dali_report()
         loaders[k] = (lambda d: lambda: d.train)(dls)
     res = compare_loaders(loaders, max_batches=a.max_batches, warmup=3, repeats=2)
     md = results_markdown(res, f'aug_transforms steps, bs {a.bs}, 224 px, DaliDataLoaders train')
