@@ -12,7 +12,9 @@ from .pipeline import track_pipeline
 from .demo import loader_throughput
 
 # %% auto #0
-__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'raw_dali_aug_pipeline', 'compare_loaders', 'results_markdown']
+__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'raw_dali_aug_pipeline', 'gpu_memory_mb', 'time_loader', 'bench_loaders',
+           'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader',
+           'SyntheticDL', 'fit_throughput', 'memory_over_epochs', 'make_bench_dataset', 'run_bench', 'cli']
 
 # %% ../nbs/07_bench.ipynb #c004
 @pipeline_def
@@ -65,17 +67,290 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
     return img, (y.gpu() if gpu else y)
 
 # %% ../nbs/07_bench.ipynb #c011
-def compare_loaders(loaders:dict, max_batches=None, warmup=2, repeats=1):
-    "Time each loader factory in `loaders`; dict of name -> {'img_s', 'ratio'} (ratio to the first), median of `repeats`"
-    res = {}
-    for name,mk in loaders.items():
-        ips = sorted(loader_throughput(mk(), max_batches=max_batches, warmup=warmup) for _ in range(repeats))
-        res[name] = {'img_s': ips[len(ips)//2]}
-    base = next(iter(res.values()))['img_s']
+import json, time, statistics
+from pathlib import Path
+import torch
+from fastprogress.fastprogress import progress_bar
+
+def gpu_memory_mb():
+    "Device memory in use on the current CUDA device by every allocator, in MiB (None without CUDA)"
+    if not torch.cuda.is_available(): return None
+    free,total = torch.cuda.mem_get_info()
+    return (total-free)/2**20
+
+def _sync():
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+
+def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
+    "One pass over `dl`: images/s after `warmup` batches, and device memory in use (MiB) sampled every `mem_every` batches"
+    n,t0,mem,m0 = 0,None,[],gpu_memory_mb()
+    for i,b in enumerate(dl):
+        if i == warmup: _sync(); t0 = time.perf_counter()
+        if i >= warmup: n += len(b[0])
+        if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
+        if max_batches and i+1 >= warmup+max_batches: break
+    _sync()
+    if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
+    res = {'img_s': n/(time.perf_counter()-t0)}
+    if mem: res.update(mem_peak_mb=max(mem), mem_steady_mb=statistics.median(mem[1:] or mem), mem_added_mb=max(mem)-m0)
+    return res
+
+# %% ../nbs/07_bench.ipynb #c012
+def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True):
+    "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first)"
+    res,names = {},list(loaders)
+    for name in (progress_bar(names) if show_progress else names):
+        runs = [time_loader(loaders[name](), max_batches=max_batches, warmup=warmup) for _ in range(repeats)]
+        r = dict(runs[0]); r['runs'] = [o['img_s'] for o in runs]
+        r['img_s'] = statistics.median(r['runs'])
+        for k in ('mem_peak_mb', 'mem_steady_mb', 'mem_added_mb'):
+            if k in r: r[k] = max(o[k] for o in runs) if k != 'mem_steady_mb' else statistics.median(o[k] for o in runs)
+        res[name] = r
+    base = res[baseline or names[0]]['img_s']
     for r in res.values(): r['ratio'] = r['img_s']/base
     return res
 
+def compare_loaders(loaders:dict, max_batches=None, warmup=2, repeats=1):
+    "Time each loader factory in `loaders` (see `bench_loaders`, without progress bar); ratios to the first"
+    return bench_loaders(loaders, max_batches=max_batches, warmup=warmup, repeats=repeats, show_progress=False)
+
+# %% ../nbs/07_bench.ipynb #c013
 def results_markdown(res, title=''):
-    "A markdown table of `compare_loaders` results"
-    rows = [f"| {k} | {v['img_s']:,.0f} | {v['ratio']:.2f} |" for k,v in res.items()]
-    return '\n'.join(([f'### {title}', ''] if title else []) + ['| loader | img/s | ratio |', '|---|---:|---:|'] + rows)
+    "A markdown table of `bench_loaders` results"
+    mem = any('mem_peak_mb' in v for v in res.values())
+    head = '| loader | img/s | ratio |' + (' GPU MiB peak | steady | added |' if mem else '')
+    rows = [f"| {k} | {v['img_s']:,.0f} | {v['ratio']:.2f} |" +
+            (f" {v.get('mem_peak_mb', 0):,.0f} | {v.get('mem_steady_mb', 0):,.0f} | {v.get('mem_added_mb', 0):,.0f} |" if mem else '')
+            for k,v in res.items()]
+    return '\n'.join(([f'### {title}', ''] if title else []) + [head, '|---|---:|---:|' + ('---:|---:|---:|' if mem else '')] + rows)
+
+def bar_chart(res, fname, title=''):
+    "A horizontal bar chart of img/s per loader, saved to `fname`"
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    names = list(res)[::-1]
+    fig,ax = plt.subplots(figsize=(9, 0.45*len(names)+1))
+    bars = ax.barh(names, [res[k]['img_s'] for k in names], color=['C0' if 'DaliDataLoaders' in k else 'C7' for k in names])
+    for b,k in zip(bars, names): ax.text(b.get_width(), b.get_y()+b.get_height()/2, f" {res[k]['img_s']:,.0f} ({res[k]['ratio']:.2f}x)", va='center', fontsize=8)
+    ax.set_xlabel('images / s'); ax.set_title(title, fontsize=9); ax.tick_params(axis='y', labelsize=8)
+    ax.set_xlim(0, max(r['img_s'] for r in res.values())*1.3)
+    fig.savefig(fname, dpi=90, bbox_inches='tight'); plt.close(fig)
+    return fname
+
+# %% ../nbs/07_bench.ipynb #c016
+@pipeline_def
+def decode_only_pipeline(files, hw_decoder_load=None):
+    "Read and decode `files` (GPU 'mixed' decoder when the pipeline has a device), nothing else"
+    gpu = Pipeline.current().device_id is not None
+    jpegs,_ = fn.readers.file(files=[str(f) for f in files], shuffle_after_epoch=True, pad_last_batch=True, name='Reader')
+    kw = dict(hw_decoder_load=hw_decoder_load) if gpu and hw_decoder_load is not None else {}
+    return fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB, **kw)
+
+def decode_only_loader(files, bs=128, device=None, num_threads=None, hw_decoder_load=None, seed=0):
+    "Batches (as 1-tuples of DALI TensorLists) of `decode_only_pipeline`, one epoch"
+    pipe = track_pipeline(decode_only_pipeline(files, hw_decoder_load=hw_decoder_load, batch_size=bs, seed=seed,
+                          num_threads=num_threads or default_num_threads(), device_id=dali_device_id(device)))
+    pipe.build()
+    for _ in range(len(files)//bs): yield pipe.run()
+
+# %% ../nbs/07_bench.ipynb #c019
+from fastai.data.load import DataLoader
+from fastai.data.core import DataLoaders
+from fastai.callback.core import Callback, CancelValidException
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.vision.learner import create_vision_model
+
+class _TrainTimer(Callback):
+    order = 100
+    def before_train(self): _sync(); self.t0,self.n = time.perf_counter(),0
+    def after_batch(self):
+        if self.training: self.n += len(self.xb[0])
+    def after_train(self): _sync(); self.img_s = self.n/(time.perf_counter()-self.t0)
+    def before_validate(self): raise CancelValidException()
+
+class SyntheticDL(DataLoader):
+    "`n_batches` copies of one random batch already on `device`: the data-loading-free ceiling"
+    def __init__(self, bs=128, size=224, n_batches=50, c=10, device='cuda', **kwargs):
+        super().__init__(bs=bs, **kwargs)
+        from fastai.torch_core import TensorImage, TensorCategory
+        self.xb = TensorImage(torch.randn(bs, 3, size, size, device=device))
+        self.yb = TensorCategory(torch.randint(0, c, (bs,), device=device))
+        self.n_batches,self.n,self.device = n_batches,n_batches*bs,device
+    def __len__(self): return self.n_batches
+    def __iter__(self):
+        for _ in range(self.n_batches): yield self.xb,self.yb
+
+def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True):
+    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last)"
+    learn = Learner(dls, create_vision_model(arch, n_out, pretrained=False), loss_func=CrossEntropyLossFlat())
+    if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
+    elif bf16: learn.to_bf16()
+    t = _TrainTimer()
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=t)
+    return t.img_s
+
+# %% ../nbs/07_bench.ipynb #c022
+def memory_over_epochs(dl, epochs=10):
+    "Device memory in use (MiB) after each of `epochs` passes over `dl` (empty without CUDA)"
+    res = []
+    for _ in range(epochs):
+        for _ in dl: pass
+        _sync()
+        if torch.cuda.is_available(): res.append(gpu_memory_mb())
+    return res
+
+# %% ../nbs/07_bench.ipynb #c024
+import multiprocessing as mp
+import numpy as np
+from PIL import Image
+
+def _make_jpegs(args):
+    root,split,c,idxs,seed = args
+    from fastai_dali.demo import sample_photos
+    p,rng = sample_photos([c])[c],np.random.default_rng(seed)
+    (root/split/c).mkdir(parents=True, exist_ok=True)
+    H,W = p.shape[:2]
+    for i in idxs:
+        h,w = int(rng.integers(H//3, H+1)), int(rng.integers(W//3, W+1))
+        y,x = int(rng.integers(0, H-h+1)), int(rng.integers(0, W-w+1))
+        tw,th = int(rng.integers(300, 641)), int(rng.integers(240, 501))
+        Image.fromarray(p[y:y+h, x:x+w]).resize((tw,th), Image.BILINEAR).save(root/split/c/f'{c}_{i:06d}.jpg', quality=90)
+
+def make_bench_dataset(root, n=10000, classes=('astronaut','coffee','chelsea','rocket','immunohistochemistry'),
+                       valid_frac=0.2, procs=None):
+    "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px cut from scikit-image photos (reused if there)"
+    root = Path(root)
+    if (root/'done').exists(): return root
+    procs,per = procs or max(1, min(16, default_num_threads())),n//len(classes)
+    nv,jobs = int(per*valid_frac),[]
+    for k,c in enumerate(classes):
+        for split,r in (('train', range(per-nv)), ('valid', range(per-nv, per))):
+            jobs += [(root, split, c, list(ch), 1000*k+j+(0 if split=='train' else 500))
+                     for j,ch in enumerate(np.array_split(np.array(list(r)), procs)) if len(ch)]
+    with mp.get_context('fork').Pool(procs) as pool: pool.map(_make_jpegs, jobs)
+    (root/'done').touch()
+    return root
+
+# %% ../nbs/07_bench.ipynb #c025
+def _read_bytes(f): return Path(f).read_bytes()
+
+def _target(res, name, value, goal, why=''):
+    ok = value >= goal
+    res.append({'target': name, 'value': round(value, 3), 'goal': goal, 'met': bool(ok)})
+    print(f"{'MET ' if ok else 'MISS'} {name}: {value:.2f} (goal >= {goal}){' ' + why if why and not ok else ''}")
+
+def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=None, repeats=3, max_batches=60,
+              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=2, aug=True, mixed=True, mem_epochs=10, warmup=3):
+    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run; write bench.{json,md,png} to `out`"
+    from fastai.vision.all import (ImageDataLoaders, Resize, Normalize, imagenet_stats, aug_transforms, parent_label,
+                                   DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files, models)
+    import fastai, nvidia.dali, platform
+    from fastai_dali.data import DaliDataLoaders
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    if device is None: device = 'cuda' if torch.cuda.is_available() and dali_cuda_count() else 'cpu'
+    gpu = device != 'cpu'
+    root = Path(path) if path else make_bench_dataset(out/f'data_{n}', n)
+    res = {'machine': {'device': torch.cuda.get_device_name(0) if gpu else f'CPU ({default_num_threads()} cores)',
+                       'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
+                       'torch': torch.__version__, 'python': platform.python_version()},
+           'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), device=device, repeats=repeats,
+                            max_batches=max_batches)}
+    print(res['machine'], flush=True)
+    norm = Normalize.from_stats(*imagenet_stats)
+    kw = dict(item_tfms=Resize(size), batch_tfms=norm, bs=bs, device=device)
+    dls = DaliDataLoaders.from_folder(root, **kw)
+    files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
+    W = max(workers)
+    L = {'raw DALI (hand-written: decode, resize, crop, normalize)':
+             lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)}
+    L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
+    if gpu: L['decode only (DALI, hw_decoder_load=1.0)'] = lambda: decode_only_loader(files, bs=bs, device=device, hw_decoder_load=1.0)
+    L['DaliDataLoaders train'] = lambda: dls.train
+    L['DaliDataLoaders valid'] = lambda: dls.valid
+    if gpu:
+        dls_hw = DaliDataLoaders.from_folder(root, **kw, hw_decoder_load=1.0)
+        L['DaliDataLoaders train, hw_decoder_load=1.0'] = lambda: dls_hw.train
+    if mixed:
+        dls_py = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+                           splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
+        L['DaliDataLoaders train, get_x -> bytes (external_source)'] = lambda: dls_py.train
+    if aug:
+        augs = [*aug_transforms(), norm]
+        dls_aug = DaliDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device)
+        L['raw DALI aug (hand-written)'] = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True, pipeline=raw_dali_aug_pipeline)
+        L['DaliDataLoaders train + aug_transforms()'] = lambda: dls_aug.train
+    idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers}
+    for w in workers: L[f'ImageDataLoaders train ({w} workers)'] = (lambda d: lambda: d.train)(idls[w])
+    if aug:
+        idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
+        L[f'ImageDataLoaders train + aug_transforms() ({W} workers)'] = lambda: idl_aug.train
+    thr = bench_loaders(L, max_batches=max_batches, repeats=repeats, warmup=warmup)
+    res['throughput'] = thr
+    print(results_markdown(thr), flush=True)
+    if gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
+    fit = {}
+    for a in (archs if gpu else []):
+        arch = getattr(models, a)
+        sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
+        fit[a] = {'model only (synthetic batches on the GPU)': fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs),
+                  'DaliDataLoaders': fit_throughput(dls, arch, dls.c, epochs=epochs),
+                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs)}
+        print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
+    res['fit_img_s'] = fit
+    # targets (issue 5), from the ratios of this run
+    t,raw,idl = [],thr['raw DALI (hand-written: decode, resize, crop, normalize)']['img_s'],thr[f'ImageDataLoaders train ({W} workers)']['img_s']
+    dec = max(v['img_s'] for k,v in thr.items() if k.startswith('decode only'))
+    for split in ('train', 'valid'):
+        v = thr[f'DaliDataLoaders {split}']['img_s']
+        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95)
+        if gpu:
+            _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
+            _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12, 'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl))
+        else: _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 2.0)
+    if mixed: _target(t, 'external_source (get_x -> bytes) / raw DALI', thr['DaliDataLoaders train, get_x -> bytes (external_source)']['img_s']/raw, 0.9)
+    if 'resnet18' in fit:
+        f = fit['resnet18']
+        _target(t, 'learn.fit resnet18: DaliDataLoaders / model-only', f['DaliDataLoaders']/f['model only (synthetic batches on the GPU)'], 0.85)
+        _target(t, 'learn.fit resnet18: DaliDataLoaders / ImageDataLoaders', f['DaliDataLoaders']/f[f'ImageDataLoaders ({W} workers)'], 5)
+    if res.get('memory_over_epochs_mb'):
+        m = res['memory_over_epochs_mb']
+        _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
+    res['targets'] = t
+    (out/'bench.json').write_text(json.dumps(res, indent=2))
+    md = [f"# fastai_dali bench: {res['machine']['device']}", '', '```', json.dumps(res['machine']), json.dumps(res['settings']), '```', '',
+          results_markdown(thr, f'Loaders, bs {bs}, {size} px (ratio to the hand-written DALI pipeline: first row)')]
+    if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
+    for a,f in fit.items():
+        md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s', '', '| data | img/s |', '|---|---:|']
+        md += [f'| {k} | {v:,.0f} |' for k,v in f.items()]
+    md += ['', '### Targets', '', '| target | value | goal | met |', '|---|---:|---:|---|'] + [f"| {o['target']} | {o['value']:.2f} | {o['goal']} | {'yes' if o['met'] else 'NO'} |" for o in t]
+    (out/'bench.md').write_text('\n'.join(md)+'\n')
+    bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {bs}, {size} px")
+    print(f'wrote {out}/bench.json, bench.md, bench.png')
+    return res
+
+# %% ../nbs/07_bench.ipynb #c026
+def cli(argv=None):
+    "`fastai-dali bench [PATH]` and `fastai-dali demo`"
+    import argparse
+    ap = argparse.ArgumentParser('fastai-dali')
+    sub = ap.add_subparsers(dest='cmd', required=True)
+    b = sub.add_parser('bench', help='time DALI, DaliDataLoaders and ImageDataLoaders on one dataset, in one run')
+    b.add_argument('path', nargs='?', help='an ImageNet-style folder (train/, valid/); default: generate --n JPEGs')
+    b.add_argument('--n', type=int, default=10000); b.add_argument('--bs', type=int, default=128)
+    b.add_argument('--size', type=int, default=224); b.add_argument('--workers', default='4,8,16')
+    b.add_argument('--device', default=None, help="'cuda' or 'cpu' (default: cuda when DALI sees a GPU)")
+    b.add_argument('--repeats', type=int, default=3); b.add_argument('--max-batches', type=int, default=60)
+    b.add_argument('--archs', default='resnet18,resnet50', help="models for learn.fit timing ('' to skip)")
+    b.add_argument('--epochs', type=int, default=2); b.add_argument('--out', default='fastai_dali_bench')
+    b.add_argument('--no-aug', action='store_true'); b.add_argument('--no-mixed', action='store_true')
+    sub.add_parser('demo', help='train a small model on generated data with DaliDataLoaders')
+    a,rest = ap.parse_known_args(argv)
+    if a.cmd == 'demo':  # the demo's own options (see `fastai-dali-demo --help`) pass through
+        from fastai_dali.demo import main
+        return main(rest)
+    if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
+    return run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=tuple(int(w) for w in a.workers.split(',')), device=a.device,
+                     repeats=a.repeats, max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o),
+                     epochs=a.epochs, aug=not a.no_aug, mixed=not a.no_mixed)

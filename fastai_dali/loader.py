@@ -158,9 +158,9 @@ def dali_read_error(e, files):
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, py_workers:int=None, **kwargs):
+                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=None, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
@@ -222,7 +222,8 @@ def _plan(self:DaliDL):
 def _signature(self:DaliDL):
     import fastai_dali.transforms as T  # the graph also depends on this module setting
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
-            self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop)
+            self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
+            self.hw_decoder_load)
 
 # %% ../nbs/03_loader.ipynb #c022
 def augment_seed(seed, shard_id=0):
@@ -253,7 +254,7 @@ def _build(self:DaliDL):
                            num_shards=self.num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
                            seed=augment_seed(seed, self.shard_id),
-                           prefetch_queue_depth=self.prefetch, reader_seed=seed,
+                           prefetch_queue_depth=self.prefetch, reader_seed=seed, hw_decoder_load=self.hw_decoder_load,
                            mask_files=None if masks is None else [masks[i] for i in idxs], **kw)
     track_pipeline(pipe)
     policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL

@@ -19,7 +19,7 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    parallel=True, mask_files=None, reader_seed=0):
+                    parallel=True, mask_files=None, reader_seed=0, hw_decoder_load=None):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
     # DALI forbids stick_to_shard with shuffle_after_epoch; an explicit seed gives a mask reader the same permutation
@@ -29,7 +29,10 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
         jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
-    img = fn.decoders.image(jpegs, device='mixed' if gpu and not plan.python else 'cpu', output_type=_color[plan.mode])
+    mixed = gpu and not plan.python
+    # `hw_decoder_load`: the share of each batch the GPU's hardware JPEG decoder takes (None: DALI's default, 0.65)
+    dkw = dict(hw_decoder_load=hw_decoder_load) if mixed and hw_decoder_load is not None else {}
+    img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], **dkw)
     g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs))
     img = plan(img, g)
     if log is not None: log.extend(g.log)
