@@ -10,11 +10,13 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
 from .pipeline import track_pipeline
 from .demo import loader_throughput
+from fastcore.basics import noop
 
 # %% auto #0
-__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'raw_dali_aug_pipeline', 'gpu_memory_mb', 'time_loader', 'bench_loaders',
-           'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader',
-           'SyntheticDL', 'fit_throughput', 'memory_over_epochs', 'make_bench_dataset', 'run_bench', 'cli']
+__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'gpu_memory_mb', 'time_loader',
+           'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
+           'decode_only_loader', 'SyntheticDL', 'fit_throughput', 'memory_over_epochs', 'make_bench_dataset',
+           'run_bench', 'cli']
 
 # %% ../nbs/07_bench.ipynb #c004
 @pipeline_def
@@ -37,7 +39,12 @@ def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=No
     track_pipeline(pipe)
     it = DALIGenericIterator(pipe, ['x','y'], reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL,
                              auto_reset=True)
-    return ((d[0]['x'], d[0]['y']) for d in it)
+    return Epochs(it, lambda d: (d[0]['x'], d[0]['y']))
+
+class Epochs:
+    "Iterate `it` (one epoch per `iter`, as a fastai loader), mapping each item with `f`"
+    def __init__(self, it, f=noop): self.it,self.f = it,f
+    def __iter__(self): return (self.f(o) for o in self.it)
 
 # %% ../nbs/07_bench.ipynb #c008
 def _coin_scale(p, lo, hi, neutral):
@@ -81,14 +88,23 @@ def gpu_memory_mb():
 def _sync():
     if torch.cuda.is_available(): torch.cuda.synchronize()
 
+def _epochs(dl, n_batches):
+    "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`)"
+    i = 0
+    while True:
+        empty = True
+        for b in dl:
+            empty = False; yield b; i += 1
+            if n_batches and i >= n_batches: return
+        if empty or not n_batches: return
+
 def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
-    "One pass over `dl`: images/s after `warmup` batches, and device memory in use (MiB) sampled every `mem_every` batches"
+    "Images/s over `max_batches` batches of `dl` (more epochs if needed) after `warmup`; device memory (MiB) every `mem_every` batches"
     n,t0,mem,m0 = 0,None,[],gpu_memory_mb()
-    for i,b in enumerate(dl):
+    for i,b in enumerate(_epochs(dl, max_batches and warmup+max_batches)):
         if i == warmup: _sync(); t0 = time.perf_counter()
         if i >= warmup: n += len(b[0])
         if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
-        if max_batches and i+1 >= warmup+max_batches: break
     _sync()
     if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
     res = {'img_s': n/(time.perf_counter()-t0)}
@@ -146,12 +162,16 @@ def decode_only_pipeline(files, hw_decoder_load=None):
     kw = dict(hw_decoder_load=hw_decoder_load) if gpu and hw_decoder_load is not None else {}
     return fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB, **kw)
 
+class _RunEpochs:
+    def __init__(self, pipe, n): self.pipe,self.n = pipe,n
+    def __iter__(self): return (self.pipe.run() for _ in range(self.n))
+
 def decode_only_loader(files, bs=128, device=None, num_threads=None, hw_decoder_load=None, seed=0):
-    "Batches (as 1-tuples of DALI TensorLists) of `decode_only_pipeline`, one epoch"
+    "Batches (1-tuples of DALI TensorLists) of `decode_only_pipeline`, `len(files)//bs` per epoch"
     pipe = track_pipeline(decode_only_pipeline(files, hw_decoder_load=hw_decoder_load, batch_size=bs, seed=seed,
                           num_threads=num_threads or default_num_threads(), device_id=dali_device_id(device)))
     pipe.build()
-    for _ in range(len(files)//bs): yield pipe.run()
+    return _RunEpochs(pipe, len(files)//bs)
 
 # %% ../nbs/07_bench.ipynb #c019
 from fastai.data.load import DataLoader
