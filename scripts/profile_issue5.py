@@ -1,0 +1,105 @@
+"""Issue 5's misses, profiled on one machine in one run (data: a folder made by `fastai-dali bench`).
+
+    python scripts/profile_issue5.py --data /tmp/bench/data_10000 --out $OUT
+
+1. mixed path: ours (get_x -> bytes through DALI's parallel external_source) with 4/8/16 worker processes, vs a
+   hand-written DALI pipeline with the same parallel per-sample external_source, vs the reader;
+2. training loop: fastai `Learner.fit` vs a plain torch loop (same model, bf16 autocast, channels_last, SGD),
+   on synthetic batches already on the GPU and on DaliDataLoaders;
+3. `hw_decoder_load` for DaliDataLoaders train: DALI's default vs 0.9 vs 1.0, 5 repeats each;
+4. device memory over 20 epochs of DaliDataLoaders train.
+"""
+import argparse, json, os, time
+from pathlib import Path
+import numpy as np, torch
+from fastai.vision.all import (Resize, Normalize, imagenet_stats, parent_label, DataBlock, ImageBlock, CategoryBlock,
+                               GrandparentSplitter, get_image_files, resnet18, DataLoaders)
+from fastai.vision.learner import create_vision_model
+from nvidia.dali import pipeline_def, fn, types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator
+from fastai_dali.all import DaliDataLoaders, default_num_threads
+from fastai_dali.bench import (bench_loaders, results_markdown, SyntheticDL, fit_throughput, memory_over_epochs, Epochs,
+                               raw_dali_loader, _sync)
+
+def read_bytes(f): return Path(f).read_bytes()
+
+class FileSource:
+    "Per-sample parallel external_source callback: (encoded bytes, label) of sample `si.idx_in_epoch` of a permutation"
+    def __init__(self, files, labels, bs): self.files,self.labels,self.bs = files,labels,bs
+    def __call__(self, si):
+        n = len(self.files)//self.bs*self.bs
+        if si.idx_in_epoch >= n: raise StopIteration
+        i = (si.idx_in_epoch*7919) % len(self.files)  # 7919 is prime: a fixed permutation of the files
+        return np.frombuffer(Path(self.files[i]).read_bytes(), dtype=np.uint8), np.array(self.labels[i], dtype=np.int64)
+
+@pipeline_def
+def es_pipeline(src, size=224):
+    jpegs,y = fn.external_source(src, num_outputs=2, batch=False, parallel=True, dtype=[types.UINT8, types.INT64])
+    img = fn.decoders.image(jpegs, device='mixed', output_type=types.RGB)
+    img = fn.resize(img, resize_shorter=size, antialias=True)
+    img = fn.crop_mirror_normalize(img, crop=(size,size), dtype=types.FLOAT, output_layout='CHW',
+                                   mean=[0.485*255,0.456*255,0.406*255], std=[0.229*255,0.224*255,0.225*255])
+    return img, y.gpu()
+
+def es_loader(files, labels, bs, workers):
+    import cloudpickle
+    pipe = es_pipeline(FileSource(files, labels, bs), batch_size=bs, num_threads=default_num_threads(), device_id=0,
+                       py_num_workers=workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
+    pipe.build()
+    return Epochs(DALIGenericIterator(pipe, ['x','y'], auto_reset=True), lambda d: (d[0]['x'], d[0]['y']))
+
+def torch_loop(dl, arch, n_out, epochs=2):
+    "Plain PyTorch training img/s (last epoch): bf16 autocast, channels_last, SGD, no callbacks"
+    m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9); lf = torch.nn.CrossEntropyLoss()
+    for e in range(epochs):
+        _sync(); t0,n = time.perf_counter(),0
+        for x,y in dl:
+            x = x.as_subclass(torch.Tensor).contiguous(memory_format=torch.channels_last)
+            with torch.autocast('cuda', dtype=torch.bfloat16): loss = lf(m(x), y.as_subclass(torch.Tensor).long())
+            opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
+        _sync(); ips = n/(time.perf_counter()-t0)
+    return ips
+
+def main():
+    ap = argparse.ArgumentParser(); ap.add_argument('--data', default='/tmp/bench/data_10000')
+    ap.add_argument('--out', default=os.environ.get('OUT', '/tmp/out')); ap.add_argument('--bs', type=int, default=128)
+    a = ap.parse_args(); out = Path(a.out); out.mkdir(parents=True, exist_ok=True); res,md = {},[]
+    norm = Normalize.from_stats(*imagenet_stats)
+    dls = DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device='cuda')
+    files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
+    # 1. mixed path
+    blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_bytes, get_y=parent_label,
+                    splitter=GrandparentSplitter(), item_tfms=Resize(224), batch_tfms=norm)
+    L = {'raw DALI reader (hand-written)': lambda: raw_dali_loader(files, labels, bs=a.bs, device='cuda', shuffle=True),
+         'DaliDataLoaders train (reader)': lambda: dls.train}
+    for w in (16, 8, 4):
+        L[f'hand-written DALI, parallel per-sample external_source ({w} workers)'] = (lambda w: lambda: es_loader(files, labels, a.bs, w))(w)
+    mixed = {w: blk.dali_dataloaders(a.data, bs=a.bs, device='cuda', py_workers=w) for w in (16, 8, 4)}
+    for w in (16, 8, 4): L[f'DaliDataLoaders train, get_x -> bytes ({w} workers)'] = (lambda d: lambda: d.train)(mixed[w])
+    res['mixed'] = bench_loaders(L, max_batches=50, repeats=3)
+    md += [results_markdown(res['mixed'], 'Mixed path (external_source) vs reader'), '']
+    print(md[-2], flush=True)
+    # 2. training loop
+    sdl = SyntheticDL(bs=a.bs, size=224, n_batches=len(dls.train), c=dls.c, device='cuda')
+    res['fit_resnet18'] = {'fastai Learner.fit, synthetic batches': fit_throughput(DataLoaders(sdl, sdl), resnet18, dls.c),
+                           'plain torch loop, synthetic batches': torch_loop(sdl, resnet18, dls.c),
+                           'fastai Learner.fit, DaliDataLoaders': fit_throughput(dls, resnet18, dls.c),
+                           'plain torch loop, DaliDataLoaders': torch_loop(dls.train, resnet18, dls.c)}
+    md += [f'### resnet18 training img/s (bs {a.bs}, bf16, channels_last)', '', '| loop | img/s |', '|---|---:|']
+    md += [f'| {k} | {v:,.0f} |' for k,v in res['fit_resnet18'].items()] + ['']
+    print('\n'.join(md[-7:]), flush=True)
+    # 3. hw_decoder_load
+    H = {f'DaliDataLoaders train, hw_decoder_load={h}': (lambda d: lambda: d.train)(
+             DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device='cuda', hw_decoder_load=h))
+         for h in (None, 0.9, 1.0)}
+    res['hw_decoder_load'] = bench_loaders(H, max_batches=60, repeats=5)
+    md += [results_markdown(res['hw_decoder_load'], 'hw_decoder_load (median of 5)'), '']
+    print(md[-2], flush=True)
+    # 4. memory
+    res['memory_20_epochs_mb'] = memory_over_epochs(dls.train, 20)
+    md += ['Device memory after each of 20 epochs (MiB): ' + ', '.join(f'{o:,.0f}' for o in res['memory_20_epochs_mb'])]
+    print(md[-1])
+    (out/'profile_issue5.json').write_text(json.dumps(res, indent=2)); (out/'profile_issue5.md').write_text('\n'.join(md)+'\n')
+
+if __name__ == '__main__': main()
