@@ -16,6 +16,7 @@ from fastai.vision.all import (Resize, Normalize, imagenet_stats, parent_label, 
                                GrandparentSplitter, get_image_files, resnet18, DataLoaders)
 from fastai.vision.learner import create_vision_model
 from nvidia.dali import pipeline_def, fn, types
+from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from fastai_dali.all import DaliDataLoaders, default_num_threads
 from fastai_dali.bench import (bench_loaders, results_markdown, SyntheticDL, fit_throughput, memory_over_epochs, Epochs,
@@ -35,15 +36,16 @@ class FileSource:
 @pipeline_def
 def es_pipeline(src, size=224):
     jpegs,y = fn.external_source(src, num_outputs=2, batch=False, parallel=True, dtype=[types.UINT8, types.INT64])
-    img = fn.decoders.image(jpegs, device='mixed', output_type=types.RGB)
+    gpu = Pipeline.current().device_id is not None
+    img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB)
     img = fn.resize(img, resize_shorter=size, antialias=True)
     img = fn.crop_mirror_normalize(img, crop=(size,size), dtype=types.FLOAT, output_layout='CHW',
                                    mean=[0.485*255,0.456*255,0.406*255], std=[0.229*255,0.224*255,0.225*255])
-    return img, y.gpu()
+    return img, (y.gpu() if gpu else y)
 
-def es_loader(files, labels, bs, workers):
+def es_loader(files, labels, bs, workers, device_id=0):
     import cloudpickle
-    pipe = es_pipeline(FileSource(files, labels, bs), batch_size=bs, num_threads=default_num_threads(), device_id=0,
+    pipe = es_pipeline(FileSource(files, labels, bs), batch_size=bs, num_threads=default_num_threads(), device_id=device_id,
                        py_num_workers=workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
     pipe.build()
     return Epochs(DALIGenericIterator(pipe, ['x','y'], auto_reset=True), lambda d: (d[0]['x'], d[0]['y']))
@@ -73,8 +75,11 @@ def main():
                     splitter=GrandparentSplitter(), item_tfms=Resize(224), batch_tfms=norm)
     L = {'raw DALI reader (hand-written)': lambda: raw_dali_loader(files, labels, bs=a.bs, device='cuda', shuffle=True),
          'DaliDataLoaders train (reader)': lambda: dls.train}
+    # one pipeline per variant, reused across repeats: each new pool spawns `w` processes that re-import this script
+    # (torch, fastai: tens of seconds with 16 at once), which is what stalled the first attempt past its time limit
+    es = {w: es_loader(files, labels, a.bs, w) for w in (16, 8, 4)}
     for w in (16, 8, 4):
-        L[f'hand-written DALI, parallel per-sample external_source ({w} workers)'] = (lambda w: lambda: es_loader(files, labels, a.bs, w))(w)
+        L[f'hand-written DALI, parallel per-sample external_source ({w} workers)'] = (lambda d: lambda: d)(es[w])
     mixed = {w: blk.dali_dataloaders(a.data, bs=a.bs, device='cuda', py_workers=w) for w in (16, 8, 4)}
     for w in (16, 8, 4): L[f'DaliDataLoaders train, get_x -> bytes ({w} workers)'] = (lambda d: lambda: d.train)(mixed[w])
     res['mixed'] = bench_loaders(L, max_batches=50, repeats=3)
