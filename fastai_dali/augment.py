@@ -93,7 +93,7 @@ def _random_resized_crop(tfm, img, g):
 # %% ../nbs/01b_augment.ipynb #c015
 _centre = 0.5 - 1e-6
 
-def _crop_pad(img, size, pos, g):
+def _crop_pad(img, size, pos):
     w,h = size
     return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0)
 
@@ -101,7 +101,7 @@ def _crop_pad(img, size, pos, g):
 def _random_crop(tfm, img, g):
     pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (_centre, _centre)
     g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} ' + ('at a random position' if g.train else 'in the centre'))
-    return _crop_pad(img, tfm.size, pos, g)
+    return _crop_pad(img, tfm.size, pos)
 
 # %% ../nbs/01b_augment.ipynb #c016
 class NpCropPad:
@@ -117,7 +117,7 @@ def _croppad_python(tfm): return tfm.pad_mode != PadMode.Zeros
 def _croppad(tfm, img, g):
     if not _croppad_python(tfm):
         g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} in the centre, zero padding')
-        return _crop_pad(img, tfm.size, (_centre, _centre), g)
+        return _crop_pad(img, tfm.size, (_centre, _centre))
     g.note(tfm, 'python', f'{tfm.pad_mode} padding in np.pad (fn.python_function)')
     mode = {PadMode.Border: 'edge', PadMode.Reflection: 'reflect'}[tfm.pad_mode]
     return fn.python_function(img, function=NpCropPad(tfm.size, mode), output_layouts='HWC')
@@ -241,7 +241,7 @@ def _affine(tfm, out):
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)
-    stage.geometric = True
+    stage.geometric,stage.train_only = True,tfm.cp_size is None
     out.stages.append(stage)
     names = [f.func.__name__ for f in tfm.aff_fs] + ['warp']*len(tfm.coord_fs)
     return f"{'+'.join(names)}: one fn.experimental.warp_perspective per sample, {border} border (training split)"
@@ -291,6 +291,7 @@ def _lighting(tfm, out):
         x = dmath.clamp(fn.cast(img, dtype=types.FLOAT) / div, 1e-7, 1-1e-7)
         l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
         return div / (1 + dmath.exp(-l))  # back in [0, div], as the output op expects
+    stage.train_only = True
     out.stages.append(stage)
     names = '+'.join(type(f).__name__.strip('_').replace('Logit','').lower() for f in fs)
     how = 'one fn.coord_transform per sample'
@@ -341,6 +342,7 @@ def _hsv(tfm, out):
         shift = _cached(g, tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
         if img.device == 'gpu': shift = shift.gpu()
         return hue_shift(fn.cast(img, dtype=types.FLOAT) / div, shift) * div
+    stage.train_only = True
     out.stages.append(stage)
     return 'hue: fastai\'s RGB->HSV->RGB as DALI arithmetic per pixel (training split)'
 
@@ -383,5 +385,6 @@ def _random_erasing(tfm, out):
                                                              img.shape(device='cpu'), num_outputs=2))
         keep = fn.erase(fn.reshape(img*0. + 1., layout=layout), anchor=anchor, shape=shape, axis_names='HW', fill_value=0)
         return img*keep + fn.random.normal(img)*(1.-keep)
+    post.train_only = True
     out.post.append(post)
     return 'one set of rectangles per batch (as fastai): fn.erase mask + fn.random.normal fill, after crop_mirror_normalize (training split)'

@@ -19,17 +19,21 @@ __all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipel
            'run_bench', 'cli']
 
 # %% ../nbs/07_bench.ipynb #c004
-@pipeline_def
-def raw_dali_pipeline(files, labels, size=224, shuffle=False, mean=(0.485,0.456,0.406), std=(0.229,0.224,0.225)):
-    "Hand-written DALI: read, decode, resize shorter side to `size` (antialiased linear), centre crop, normalize"
+def _read_decode_resize(files, labels, size, shuffle):
+    "The hand-written pipelines' common start: read, decode (GPU when there is one), resize the shorter side to `size`"
     gpu = Pipeline.current().device_id is not None
     jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
                               pad_last_batch=True, name='Reader')
     img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB)
-    img = fn.resize(img, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True)
+    return fn.resize(img, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True), (y.gpu() if gpu else y)
+
+@pipeline_def
+def raw_dali_pipeline(files, labels, size=224, shuffle=False, mean=(0.485,0.456,0.406), std=(0.229,0.224,0.225)):
+    "Hand-written DALI: read, decode, resize shorter side to `size` (antialiased linear), centre crop, normalize"
+    img,y = _read_decode_resize(files, labels, size, shuffle)
     img = fn.crop_mirror_normalize(img, crop=(size,size), dtype=types.FLOAT, output_layout='CHW',
                                    mean=[m*255 for m in mean], std=[s*255 for s in std])
-    return img, (y.gpu() if gpu else y)
+    return img, y
 
 # %% ../nbs/07_bench.ipynb #c005
 def raw_dali_loader(files, labels, bs=128, size=224, device=None, num_threads=None, shuffle=False, seed=0, pipeline=None):
@@ -56,11 +60,7 @@ def _coin_scale(p, lo, hi, neutral):
 def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10., max_zoom=1.1, max_lighting=0.2,
                           p_affine=0.75, p_lighting=0.75, mean=(0.485,0.456,0.406), std=(0.229,0.224,0.225)):
     "Hand-written DALI with `aug_transforms`-like work: random crop, mirror, rotate+zoom warp, brightness/contrast, normalize"
-    gpu = Pipeline.current().device_id is not None
-    jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
-                              pad_last_batch=True, name='Reader')
-    img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB)
-    img = fn.resize(img, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True)
+    img,y = _read_decode_resize(files, labels, size, shuffle)
     img = fn.crop(img, crop=(size,size), crop_pos_x=fn.random.uniform(range=[0.,1.]), crop_pos_y=fn.random.uniform(range=[0.,1.]))
     c = [size/2, size/2]
     z = _coin_scale(p_affine, 1., max_zoom, 1.)
@@ -71,7 +71,7 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
                                  contrast=_coin_scale(p_lighting, 1-max_lighting, 1+max_lighting, 1.))
     img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(probability=0.5), dtype=types.FLOAT, output_layout='CHW',
                                    mean=[m*255 for m in mean], std=[s*255 for s in std])
-    return img, (y.gpu() if gpu else y)
+    return img, y
 
 # %% ../nbs/07_bench.ipynb #c011
 import json, time, statistics
@@ -323,7 +323,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
     dec = max(v['img_s'] for k,v in thr.items() if k.startswith('decode only'))
     for split in ('train', 'valid'):
         v = thr[f'DaliDataLoaders {split}']['img_s']
-        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95)
+        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95 if gpu else 0.9)   # issue 5's GPU and CPU goals
         if gpu:
             _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
             _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12, 'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl))

@@ -239,10 +239,12 @@ class DaliPlan:
             if f is not _to_tensor: img = self.out.flush_crop(img)
             img = f(t, img, g)
             if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
-        if self.out.stages: img = self.out.flush_crop(img)
-        for s in self.out.stages: img = s(img, g)
+        # steps marked `train_only` do nothing on the validation split: skip them (and the crop flush they need)
+        active = lambda ss: [s for s in ss if g.train or not getattr(s, 'train_only', False)]
+        if active(self.out.stages): img = self.out.flush_crop(img)
+        for s in active(self.out.stages): img = s(img, g)
         img = self.out(img)
-        for s in self.out.post: img = s(img, g)
+        for s in active(self.out.post): img = s(img, g)
         return img
 
     def masks(self, m, g):
@@ -253,7 +255,7 @@ class DaliPlan:
             m = f(t, m, g)
         m = g.out.flush_crop(m)
         for s in self.out.stages:  # geometric batch steps (an affine warp) move the masks with the images
-            if getattr(s, 'geometric', False): m = s(m, g)
+            if getattr(s, 'geometric', False) and (g.train or not getattr(s, 'train_only', False)): m = s(m, g)
         return m
 
     def report(self, log=()):

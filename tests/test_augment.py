@@ -415,3 +415,12 @@ def test_random_erasing(square):
     assert noise.numel() > 1000 and abs(noise.mean()) < 0.1 and abs(noise.std() - 1) < 0.1   # N(0,1) fill
     assert not erased(next(iter(dls.valid))[0]).any()  # not on the validation split
 
+
+def test_valid_split_untouched_by_augmentations(wide):
+    "On the validation split every augmentation is a no-op: same pixels as without them"
+    from fastai.vision.all import Hue, RandomErasing
+    root,_ = wide
+    mk = lambda bt: DaliDataLoaders.from_folder(root, item_tfms=Resize(48), batch_tfms=bt, bs=8, device=DEVICE)
+    norm = Normalize.from_stats(*imagenet_stats)
+    plain_,aug = mk([norm]),mk([*aug_transforms(), Saturation(), Hue(), norm, RandomErasing(p=1.)])
+    for (a_,_),(b_,_) in zip(plain_.valid, aug.valid): assert (plain(a_) == plain(b_)).all()
