@@ -250,15 +250,21 @@ def _build(self:DaliDL):
         files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed)
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
-    pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=self.shard_id,
-                           num_shards=self.num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
+    shard_id,num_shards = self.shard_id,self.num_shards
+    mfiles = None if masks is None else [masks[i] for i in idxs]
+    if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
+        lo,hi = len(files)*shard_id//num_shards,len(files)*(shard_id+1)//num_shards
+        files,labels,mfiles,shard_id,num_shards = files[lo:hi],labels[lo:hi],mfiles and mfiles[lo:hi],0,1
+    pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=shard_id,
+                           num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
                            seed=augment_seed(seed, self.shard_id),
                            prefetch_queue_depth=self.prefetch, reader_seed=seed, hw_decoder_load=self.hw_decoder_load,
-                           mask_files=None if masks is None else [masks[i] for i in idxs], **kw)
+                           mask_files=mfiles, **kw)
     track_pipeline(pipe)
-    policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
-    it_kw = dict(reader_name='Reader', last_batch_policy=policy) if source is None else {}
+    # Always PARTIAL: DALI reads every shard to its end each epoch (DROP keeps shards in lock-step at the smallest one
+    # and leaves an unread tail that leaks into the next epoch); `drop_last` is applied in `__iter__`
+    it_kw = dict(reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL) if source is None else {}
     # Building the iterator runs the first batch: reading errors can surface here already
     try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
     except RuntimeError as e: raise dali_read_error(e, files) from None
@@ -303,9 +309,11 @@ def __iter__(self:DaliDL):
             self._release()
             raise dali_read_error(e, files) from None
         b = self._to_fastai(d[0], plan)
-        k = min(len(b[0]), left)  # a Python source pads its last batch to full size: trim it
+        # a Python source pads its last batch to full size, and DALI keeps shards in lock-step, so a shard whose share
+        # ended early gets batches of padding: trim them (drain, but never yield an empty batch)
+        k = min(len(b[0]), left)
         left -= k
-        yield b if k == len(b[0]) else tuple(o[:k] for o in b)
+        if k: yield b if k == len(b[0]) else tuple(o[:k] for o in b)
     it.reset()
     self._in_epoch = False
     self.after_iter()
