@@ -233,7 +233,6 @@ def _affine(tfm, out):
     if out.normalized or out.post or not _affine_ok(tfm): return False
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        if not g.train and tfm.cp_size is None: return img  # fastai's identity grid
         def make():
             u = fn.random.uniform(range=[0.,1.], shape=[max(AffineParams(tfm).n_draws, 1)])
             return _params(AffineParams(tfm, train=g.train), u, g.shape(img))
@@ -241,7 +240,7 @@ def _affine(tfm, out):
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)
-    stage.geometric,stage.train_only = True,tfm.cp_size is None
+    stage.geometric,stage.train_only = True,tfm.cp_size is None  # without `size`, fastai's valid grid is the identity
     out.stages.append(stage)
     names = [f.func.__name__ for f in tfm.aff_fs] + ['warp']*len(tfm.coord_fs)
     return f"{'+'.join(names)}: one fn.experimental.warp_perspective per sample, {border} border (training split)"
@@ -285,13 +284,12 @@ def _lighting(tfm, out):
         or (out.n_ch != 3 and any(isinstance(f, _SaturationLogit) for f in fs))): return False
     div = out.div
     def stage(img, g):
-        if not g.train: return img  # fastai's lighting is a training-split transform
         p = LightingParams(fs, out.n_ch)
         M,T = _cached(g, tfm, 'lighting', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]), num_outputs=2))
         x = dmath.clamp(fn.cast(img, dtype=types.FLOAT) / div, 1e-7, 1-1e-7)
         l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
         return div / (1 + dmath.exp(-l))  # back in [0, div], as the output op expects
-    stage.train_only = True
+    stage.train_only = True  # fastai's lighting is a training-split transform: `DaliPlan` skips it on valid
     out.stages.append(stage)
     names = '+'.join(type(f).__name__.strip('_').replace('Logit','').lower() for f in fs)
     how = 'one fn.coord_transform per sample'
@@ -337,7 +335,6 @@ def _hsv(tfm, out):
         or not all(type(f) is _Hue and f.draw is None for f in fs)): return False
     div = out.div
     def stage(img, g):
-        if not g.train: return img  # a training-split transform, as fastai's
         p = HueParams(fs)
         shift = _cached(g, tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
         if img.device == 'gpu': shift = shift.gpu()
@@ -378,7 +375,6 @@ class ErasingParams:
 def _random_erasing(tfm, out):
     if not out.float: return False
     def post(img, g):
-        if not g.train: return img
         layout = 'CHW' if out.chw else 'HWC'  # known once the item translations ran (`ToTensor` sets it)
         p = ErasingParams(tfm, out.chw)
         anchor,shape = _cached(g, tfm, 'erase', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]),

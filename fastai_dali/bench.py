@@ -9,7 +9,7 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
 from .pipeline import track_pipeline
-from .demo import loader_throughput
+from .demo import _sync
 from fastcore.basics import noop
 
 # %% auto #0
@@ -84,9 +84,6 @@ def gpu_memory_mb():
     if not torch.cuda.is_available(): return None
     free,total = torch.cuda.mem_get_info()
     return (total-free)/2**20
-
-def _sync():
-    if torch.cuda.is_available(): torch.cuda.synchronize()
 
 def _epochs(dl, n_batches):
     "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`)"

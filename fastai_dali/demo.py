@@ -42,15 +42,9 @@ def _sync():
     if torch.cuda.is_available(): torch.cuda.synchronize()
 
 def loader_throughput(dl, max_batches=None, warmup=2):
-    "Images per second delivered by iterating `dl` (one epoch, at most `max_batches` timed batches)"
-    n,t0 = 0,None
-    for i,b in enumerate(dl):
-        if i == warmup: _sync(); t0 = time.perf_counter()
-        if i >= warmup: n += len(b[0])
-        if max_batches and i+1 >= warmup+max_batches: break
-    _sync()
-    if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
-    return n/(time.perf_counter()-t0)
+    "Images per second delivered by iterating `dl` (one epoch, or `max_batches` timed batches over as many epochs as needed)"
+    from fastai_dali.bench import time_loader  # bench builds on this module
+    return time_loader(dl, max_batches=max_batches, warmup=warmup)['img_s']
 
 # %% ../nbs/06_demo.ipynb #c010
 def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None):
