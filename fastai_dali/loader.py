@@ -160,7 +160,7 @@ class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
     _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=None, **kwargs):
+                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
@@ -183,7 +183,7 @@ class DaliDL(TfmdDL):
         d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'] = None,False,{}
         return d
 
-# %% ../nbs/03_loader.ipynb #c018
+# %% ../nbs/03_loader.ipynb #c019
 @patch
 def _shard_n(self:DaliDL):
     n = len(self.dataset) if self.n is None else self.n
@@ -194,7 +194,7 @@ def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
 
-# %% ../nbs/03_loader.ipynb #c020
+# %% ../nbs/03_loader.ipynb #c021
 @patch
 def _files_labels(self:DaliDL):
     "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
@@ -225,12 +225,12 @@ def _signature(self:DaliDL):
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
             self.hw_decoder_load)
 
-# %% ../nbs/03_loader.ipynb #c022
+# %% ../nbs/03_loader.ipynb #c023
 def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
 
-# %% ../nbs/03_loader.ipynb #c023
+# %% ../nbs/03_loader.ipynb #c024
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
@@ -277,7 +277,7 @@ def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
     self._dali = None
 
-# %% ../nbs/03_loader.ipynb #c025
+# %% ../nbs/03_loader.ipynb #c026
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -288,7 +288,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c026
+# %% ../nbs/03_loader.ipynb #c027
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -318,7 +318,7 @@ def __iter__(self:DaliDL):
     self._in_epoch = False
     self.after_iter()
 
-# %% ../nbs/03_loader.ipynb #c028
+# %% ../nbs/03_loader.ipynb #c029
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"

@@ -9,7 +9,7 @@
 3. `hw_decoder_load` for DaliDataLoaders train: DALI's default vs 0.9 vs 1.0, 5 repeats each;
 4. device memory over 20 epochs of DaliDataLoaders train.
 """
-import argparse, json, os, time
+import argparse, gc, json, os, time
 from pathlib import Path
 import numpy as np, torch
 from fastai.vision.all import (Resize, Normalize, imagenet_stats, parent_label, DataBlock, ImageBlock, CategoryBlock,
@@ -18,7 +18,7 @@ from fastai.vision.learner import create_vision_model
 from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
-from fastai_dali.all import DaliDataLoaders, default_num_threads
+from fastai_dali.all import DaliDataLoaders, default_num_threads, dali_device_id
 from fastai_dali.bench import (bench_loaders, results_markdown, SyntheticDL, fit_throughput, memory_over_epochs, Epochs,
                                raw_dali_loader, _sync)
 
@@ -46,7 +46,7 @@ def es_pipeline(src, size=224):
 def es_loader(files, labels, bs, workers, device_id=0):
     import cloudpickle
     pipe = es_pipeline(FileSource(files, labels, bs), batch_size=bs, num_threads=default_num_threads(), device_id=device_id,
-                       py_num_workers=workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
+                       py_num_workers=workers, py_start_method=os.environ.get("START", "spawn"), py_callback_pickler=cloudpickle)
     pipe.build()
     return Epochs(DALIGenericIterator(pipe, ['x','y'], auto_reset=True), lambda d: (d[0]['x'], d[0]['y']))
 
@@ -66,45 +66,49 @@ def torch_loop(dl, arch, n_out, epochs=2):
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument('--data', default='/tmp/bench/data_10000')
     ap.add_argument('--out', default=os.environ.get('OUT', '/tmp/out')); ap.add_argument('--bs', type=int, default=128)
-    a = ap.parse_args(); out = Path(a.out); out.mkdir(parents=True, exist_ok=True); res,md = {},[]
+    ap.add_argument('--sections', default='fit,hw,memory,mixed'); ap.add_argument('--workers', default='16,8'); ap.add_argument('--device', default='cuda')
+    a = ap.parse_args(); a.sections = a.sections.split(','); a.workers = [int(o) for o in a.workers.split(',')]; out = Path(a.out); out.mkdir(parents=True, exist_ok=True); res,md = {},[]
     norm = Normalize.from_stats(*imagenet_stats)
-    dls = DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device='cuda')
+    dls = DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device=a.device)
     files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
-    # 1. mixed path
-    blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_bytes, get_y=parent_label,
-                    splitter=GrandparentSplitter(), item_tfms=Resize(224), batch_tfms=norm)
-    L = {'raw DALI reader (hand-written)': lambda: raw_dali_loader(files, labels, bs=a.bs, device='cuda', shuffle=True),
-         'DaliDataLoaders train (reader)': lambda: dls.train}
-    # one pipeline per variant, reused across repeats: each new pool spawns `w` processes that re-import this script
-    # (torch, fastai: tens of seconds with 16 at once), which is what stalled the first attempt past its time limit
-    es = {w: es_loader(files, labels, a.bs, w) for w in (16, 8, 4)}
-    for w in (16, 8, 4):
-        L[f'hand-written DALI, parallel per-sample external_source ({w} workers)'] = (lambda d: lambda: d)(es[w])
-    mixed = {w: blk.dali_dataloaders(a.data, bs=a.bs, device='cuda', py_workers=w) for w in (16, 8, 4)}
-    for w in (16, 8, 4): L[f'DaliDataLoaders train, get_x -> bytes ({w} workers)'] = (lambda d: lambda: d.train)(mixed[w])
-    res['mixed'] = bench_loaders(L, max_batches=50, repeats=3)
-    md += [results_markdown(res['mixed'], 'Mixed path (external_source) vs reader'), '']
-    print(md[-2], flush=True)
-    # 2. training loop
-    sdl = SyntheticDL(bs=a.bs, size=224, n_batches=len(dls.train), c=dls.c, device='cuda')
-    res['fit_resnet18'] = {'fastai Learner.fit, synthetic batches': fit_throughput(DataLoaders(sdl, sdl), resnet18, dls.c),
-                           'plain torch loop, synthetic batches': torch_loop(sdl, resnet18, dls.c),
-                           'fastai Learner.fit, DaliDataLoaders': fit_throughput(dls, resnet18, dls.c),
-                           'plain torch loop, DaliDataLoaders': torch_loop(dls.train, resnet18, dls.c)}
-    md += [f'### resnet18 training img/s (bs {a.bs}, bf16, channels_last)', '', '| loop | img/s |', '|---|---:|']
-    md += [f'| {k} | {v:,.0f} |' for k,v in res['fit_resnet18'].items()] + ['']
-    print('\n'.join(md[-7:]), flush=True)
-    # 3. hw_decoder_load
-    H = {f'DaliDataLoaders train, hw_decoder_load={h}': (lambda d: lambda: d.train)(
-             DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device='cuda', hw_decoder_load=h))
-         for h in (None, 0.9, 1.0)}
-    res['hw_decoder_load'] = bench_loaders(H, max_batches=60, repeats=5)
-    md += [results_markdown(res['hw_decoder_load'], 'hw_decoder_load (median of 5)'), '']
-    print(md[-2], flush=True)
-    # 4. memory
-    res['memory_20_epochs_mb'] = memory_over_epochs(dls.train, 20)
-    md += ['Device memory after each of 20 epochs (MiB): ' + ', '.join(f'{o:,.0f}' for o in res['memory_20_epochs_mb'])]
-    print(md[-1])
-    (out/'profile_issue5.json').write_text(json.dumps(res, indent=2)); (out/'profile_issue5.md').write_text('\n'.join(md)+'\n')
+    def save(md_lines):
+        md.extend(md_lines + ['']); print('\n'.join(md_lines), flush=True)
+        (out/'profile_issue5.json').write_text(json.dumps(res, indent=2)); (out/'profile_issue5.md').write_text('\n'.join(md)+'\n')
+    if 'fit' in a.sections:  # 2. training loop
+        sdl = SyntheticDL(bs=a.bs, size=224, n_batches=len(dls.train), c=dls.c, device=a.device)
+        r = res['fit_resnet18'] = {}
+        r['fastai Learner.fit, synthetic batches'] = fit_throughput(DataLoaders(sdl, sdl), resnet18, dls.c)
+        r['plain torch loop, synthetic batches'] = torch_loop(sdl, resnet18, dls.c)
+        r['fastai Learner.fit, DaliDataLoaders'] = fit_throughput(dls, resnet18, dls.c)
+        r['plain torch loop, DaliDataLoaders'] = torch_loop(dls.train, resnet18, dls.c)
+        save([f'### resnet18 training img/s (bs {a.bs}, bf16, channels_last)', '', '| loop | img/s |', '|---|---:|'] +
+             [f'| {k} | {v:,.0f} |' for k,v in r.items()])
+    if 'hw' in a.sections:  # 3. hw_decoder_load
+        H = {f'DaliDataLoaders train, hw_decoder_load={h}': (lambda d: lambda: d.train)(
+                 DaliDataLoaders.from_folder(a.data, item_tfms=Resize(224), batch_tfms=norm, bs=a.bs, device=a.device, hw_decoder_load=h))
+             for h in (None, 0.9, 1.0)}
+        res['hw_decoder_load'] = bench_loaders(H, repeats=5, show_progress=False)
+        save([results_markdown(res['hw_decoder_load'], 'hw_decoder_load (whole epochs, median of 5)')])
+    if 'memory' in a.sections:  # 4. memory
+        res['memory_20_epochs_mb'] = memory_over_epochs(dls.train, 20)
+        save(['Device memory after each of 20 epochs (MiB): ' + ', '.join(f'{o:,.0f}' for o in res['memory_20_epochs_mb'])])
+    if 'mixed' in a.sections:  # 1. mixed path, whole epochs (an abandoned epoch rebuilds the pipeline: a new pool)
+        # one worker pool alive at a time: each spawns `w` processes that import torch and fastai
+        L = {'raw DALI reader (hand-written)': raw_dali_loader(files, labels, bs=a.bs, device=a.device, shuffle=True),
+             'DaliDataLoaders train (reader)': dls.train}
+        res['mixed'] = bench_loaders({k:(lambda d: lambda: d)(v) for k,v in L.items()}, repeats=3, show_progress=False)
+        save([results_markdown(res['mixed'], 'Mixed path (external_source) vs reader, whole epochs')])
+        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_bytes, get_y=parent_label,
+                        splitter=GrandparentSplitter(), item_tfms=Resize(224), batch_tfms=norm)
+        for w in a.workers:
+            for name,make in ((f'hand-written DALI, parallel per-sample external_source ({w} workers)', lambda: es_loader(files, labels, a.bs, w, device_id=dali_device_id(a.device))),
+                              (f'DaliDataLoaders train, get_x -> bytes ({w} workers)', lambda: blk.dali_dataloaders(a.data, bs=a.bs, device=a.device, py_workers=w).train)):
+                t0 = time.perf_counter(); dl = make(); first = next(iter(dl)); del first
+                res.setdefault('startup_s', {})[name] = time.perf_counter()-t0
+                r = bench_loaders({name: lambda: dl}, repeats=3, show_progress=False)[name]
+                r['ratio'] = r['img_s']/res['mixed']['raw DALI reader (hand-written)']['img_s']
+                res['mixed'][name] = r; del dl; gc.collect()
+                save([results_markdown(res['mixed'], 'Mixed path (external_source) vs reader, whole epochs'),
+                      f'startup (build + first batch): {res["startup_s"][name]:.1f} s'])
 
 if __name__ == '__main__': main()
