@@ -4,18 +4,21 @@
 
 # %% ../nbs/04_data.ipynb #c003
 from __future__ import annotations
+import copy, warnings
 from pathlib import Path
 from fastcore.basics import *
 from fastcore.meta import delegates
 from fastcore.foundation import L
+from fastcore.basics import noop
 from functools import partial
-from fastai.data.core import DataLoaders
+from fastai.data.core import DataLoaders, TfmdLists
 from fastai.data.block import DataBlock, CategoryBlock
 from fastai.data.transforms import get_image_files, parent_label, GrandparentSplitter, RandomSplitter
 from fastai.vision.core import PILImage
 from fastai.vision.data import ImageBlock, ImageDataLoaders
 from .core import *
 from .loader import *
+from .loader import _x_sources, _pil_problem, _read_error_msg
 
 # %% auto #0
 __all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']
@@ -35,24 +38,60 @@ def check_image_folder(path, folders=None):
             raise ValueError(f"folder {str(p)!r} {why}")
 
 # %% ../nbs/04_data.ipynb #c007
+def _drop_unreadable(dblock, source):
+    "`dblock` without the items whose image fastai cannot load, and `[(file, reason)]` of those"
+    # only the x pipeline (`get_x`, `PILImage.create`) runs here: the labels' setup (vocab) waits for the kept items
+    items = (dblock.get_items or noop)(source)
+    src = _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+    bad = unreadable_images(src) if src else []
+    keep = [i for i in range(len(items)) if i not in {i for i,_ in bad}]
+    kept = items if not bad else items.iloc[keep] if hasattr(items, 'iloc') else L(items)[keep]
+    db = copy.copy(dblock)
+    db.get_items = lambda _: kept  # fastai splits and labels the remaining items, as if the others were not there
+    if not bad: return db,[]
+    names = src if isinstance(src, list) else [f'item {i} ({src.items[i]!r:.60})' for i in range(len(src))]
+    skipped = [(names[i], why) for i,why in bad]
+    lines = [f"  {f}: {why}" for f,why in skipped[:20]] + ([f"  ... and {len(skipped)-20} more"] if len(skipped) > 20 else [])
+    warnings.warn(f"on_error='skip': left out {len(skipped)} of {len(items)} images that cannot be read (all in "
+                  "`dls.skipped`):\n" + '\n'.join(lines), stacklevel=3)
+    return db,skipped
+
+# %% ../nbs/04_data.ipynb #c009
+def _setup_error(e, dblock, source):
+    "A `DaliReadError` naming the first training image if fastai's setup failed on it (else `None`)"
+    try:
+        items = (dblock.get_items or noop)(source)
+        src = _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+        f = src[(dblock.splitter or RandomSplitter())(items)[0][0]] if isinstance(src, list) else None
+    except Exception: return None
+    why = None if f is None else _pil_problem(f)
+    return None if why is None else DaliReadError(_read_error_msg(f, f"fastai cannot read it ({why})"))
+
+# %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
     "A `DataLoaders` of `DaliDL`s, with `ImageDataLoaders`' factories"
     @classmethod
     @delegates(DataLoaders.from_dblock)
     def from_dblock(cls, dblock:DataBlock, source, path='.', bs:int=64, val_bs:int=None, shuffle:bool=True,
-                    device=None, **kwargs):
-        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would"
+                    device=None, on_error:str='raise', **kwargs):
+        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out"
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if val_bs is not None and int(val_bs) < 1: raise ValueError(f"val_bs={val_bs!r}: must be an integer >= 1")
-        dsets = dblock.datasets(source)
+        if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
+        skipped = []
+        if on_error == 'skip': dblock,skipped = _drop_unreadable(dblock, source)
+        try: dsets = dblock.datasets(source)
+        except Exception as e: raise (_setup_error(e, dblock, source) or e) from e
         if len(dsets.train) == 0: raise ValueError(f"the training set built from {source!r} is empty")
         kwargs = {**dblock.dls_kwargs, **kwargs, 'verbose': False}
         dls = dsets.dataloaders(path=path, bs=bs, val_bs=val_bs, shuffle=shuffle, device=device, dl_type=DaliDL,
                                 after_item=dblock.item_tfms, after_batch=dblock.batch_tfms, **kwargs)
         for dl in dls.loaders: dl._files_labels()  # label errors (a valid class missing from train) surface now
-        return cls(*dls.loaders, path=dls.path, device=dls.device)
+        res = cls(*dls.loaders, path=dls.path, device=dls.device)
+        res.skipped = skipped
+        return res
 
-# %% ../nbs/04_data.ipynb #c009
+# %% ../nbs/04_data.ipynb #c013
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
 def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_pct=None, seed=None, vocab=None,
@@ -65,18 +104,18 @@ def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_p
                        splitter=splitter, get_y=parent_label, item_tfms=item_tfms, batch_tfms=batch_tfms)
     return cls.from_dblock(dblock, path, path=path, **kwargs)
 
-# %% ../nbs/04_data.ipynb #c011
+# %% ../nbs/04_data.ipynb #c015
 for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', 'from_df', 'from_csv', 'from_lists'):
     setattr(DaliDataLoaders, _n, classmethod(getattr(ImageDataLoaders, _n).__func__))
 
-# %% ../nbs/04_data.ipynb #c013
+# %% ../nbs/04_data.ipynb #c017
 @patch
 @delegates(DaliDataLoaders.from_dblock)
 def dali_dataloaders(self:DataBlock, source, **kwargs):
     "Create `DaliDataLoaders` from this `DataBlock` on `source` (the DALI counterpart of `dataloaders`)"
     return DaliDataLoaders.from_dblock(self, source, **kwargs)
 
-# %% ../nbs/04_data.ipynb #c032
+# %% ../nbs/04_data.ipynb #c036
 import zipfile
 
 class ZipMember:

@@ -4,24 +4,26 @@
 
 # %% ../nbs/03_loader.ipynb #c003
 from __future__ import annotations
-import warnings
+import io, os, warnings, atexit, hashlib, shutil, tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np, torch
+from PIL import Image
 from fastcore.basics import *
 from fastcore.foundation import L
 from fastcore.meta import delegates
 from fasttransform import compose_tfms
 from fastai.torch_core import to_device, retain_types
 from fastai.data.core import TfmdDL
-from fastai.vision.core import PILBase
+from fastai.vision.core import PILBase, load_image
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
 from .transforms import *
 from .pipeline import *
 
 # %% auto #0
-__all__ = ['PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs', 'DaliReadError', 'dali_read_error', 'DaliDL',
-           'augment_seed']
+__all__ = ['dali_decodes', 'pil_png', 'dali_files', 'PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs',
+           'DaliReadError', 'dali_read_error', 'unreadable_images', 'DaliDL', 'augment_seed']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _created_cls(f):
@@ -44,31 +46,98 @@ def _x_pipeline(ds):
     items = [r for _,r in items.iterrows()] if hasattr(items, 'iterrows') else list(items)  # DataFrame rows, as `get_x` sees them
     return items, fs[:i]
 
-# %% ../nbs/03_loader.ipynb #c006
+# %% ../nbs/03_loader.ipynb #c007
+def dali_decodes(head:bytes, open_image=None):
+    "Whether DALI decodes the image whose encoding starts with `head` (32 bytes) to the pixels fastai's PIL gives"
+    if head.startswith((b'\xff\xd8\xff', b'BM')): return True  # JPEG, BMP
+    if head.startswith(b'\x89PNG\r\n\x1a\n'): return len(head) > 24 and head[24] <= 8  # IHDR bit depth
+    if head[:4] == b'RIFF' and head[8:12] == b'WEBP': return True
+    if head.startswith((b'II*\x00', b'MM\x00*')):  # TIFF: 8 bits per sample, in a mode DALI knows
+        if open_image is None: return True
+        try:
+            with open_image() as im: return im.mode in ('RGB', 'RGBA', 'L') and set(im.tag_v2.get(258, (8,))) == {8}
+        except Exception: return False
+    return False
+
+# %% ../nbs/03_loader.ipynb #c009
+_JPEG_EXTS = ('.jpg', '.jpeg', '.jpe', '.jfif')
+_png_dir = None
+
+def pil_png(x, mode='RGB'):
+    "Lossless PNG bytes of image `x` (a path or encoded bytes) decoded as fastai's `PILImage.create` does"
+    im = load_image(io.BytesIO(bytes(x)) if isinstance(x, (bytes, bytearray, memoryview, np.ndarray)) else x, mode=mode)
+    buf = io.BytesIO(); im.save(buf, format='PNG', compress_level=1)
+    return buf.getvalue()
+
+def _file_decodes(f):
+    "Whether DALI decodes file `f` as fastai does (False for a file that cannot be read)"
+    try:
+        with open(f, 'rb') as fh: head = fh.read(32)
+    except OSError: return False
+    return dali_decodes(head, lambda: Image.open(f))
+
+# %% ../nbs/03_loader.ipynb #c010
+def _cached_png(f, mode='RGB'):
+    "Path of a PNG of file `f` as fastai decodes it, written once per process"
+    global _png_dir
+    if _png_dir is None:
+        _png_dir = Path(tempfile.mkdtemp(prefix='fastai_dali_pil_'))
+        atexit.register(shutil.rmtree, _png_dir, True)
+    try:
+        st = os.stat(f)
+        out = _png_dir/(hashlib.sha1(f'{Path(f).resolve()}|{st.st_size}|{st.st_mtime_ns}|{mode}'.encode()).hexdigest() + '.png')
+        if not out.exists():
+            tmp = out.with_suffix(f'.{os.getpid()}.tmp')
+            tmp.write_bytes(pil_png(f, mode)); os.replace(tmp, out)
+    except Exception as e: raise DaliReadError(_read_error_msg(f, f'{type(e).__name__}: {e}')) from None
+    return out
+
+def dali_files(files, mode='RGB', num_threads=None):
+    "`files`, each one DALI cannot decode as fastai does replaced by a PNG of PIL's decoding"
+    cands = [i for i,f in enumerate(files) if not str(f).lower().endswith(_JPEG_EXTS)]
+    if not cands: return files
+    with ThreadPoolExecutor(num_threads or default_num_threads()) as ex:
+        todo = [i for i,ok in zip(cands, ex.map(lambda i: _file_decodes(files[i]), cands)) if not ok]
+        if not todo: return files
+        pngs = list(ex.map(lambda i: _cached_png(files[i], mode), todo))
+    res = list(files)
+    for i,p in zip(todo, pngs): res[i] = p
+    warnings.warn(f"DaliDL: {len(todo)} file(s) DALI cannot decode as fastai does (GIF, 16-bit, other formats) were "
+                  f"decoded by PIL and are read as PNGs, e.g. {files[todo[0]]}", stacklevel=3)
+    return res
+
+# %% ../nbs/03_loader.ipynb #c012
 class PythonSource:
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
-    def __init__(self, items, tfms): store_attr()
+    def __init__(self, items, tfms, mode='RGB'): store_attr()
     def __len__(self): return len(self.items)
-    def __getitem__(self, i):
+    def encoded(self, i):
+        "The encoded image `get_x` gives for item `i`"
         x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]
-        if isinstance(x, (str, Path)): x = Path(x).read_bytes()
+        return Path(x).read_bytes() if isinstance(x, (str, Path)) else x
+    def __getitem__(self, i):
+        x = self.encoded(i)
+        if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
+            try: x = pil_png(x, self.mode)
+            except Exception as e:
+                raise DaliReadError(_read_error_msg(f'item {i} ({self.items[i]!r:.60})', f'{type(e).__name__}: {e}')) from None
         return np.frombuffer(x, dtype=np.uint8)
 
-# %% ../nbs/03_loader.ipynb #c007
+# %% ../nbs/03_loader.ipynb #c013
 def _x_sources(ds):
     "Paths of the items of `ds` for DALI's reader, a `PythonSource` when `get_x` gives bytes, or `None` (fastai loads them)"
     items,pre = _x_pipeline(ds)
     x = lambda o: compose_tfms(o, tfms=pre) if pre else o
     if not items: return []
     x0 = x(items[0])
-    if isinstance(x0, (bytes, bytearray, memoryview)): return PythonSource(items, pre)
+    if isinstance(x0, (bytes, bytearray, memoryview)): return PythonSource(items, pre, _pil_mode(ds))
     if not isinstance(x0, (str, Path)): return None
     res = [x(o) for o in items]
     bad = next((o for o in res if not isinstance(o, (str, Path))), None)
     if bad is not None: raise TypeError(f"DaliDL: the first item is a file but another is a {type(bad).__name__} ({bad!r:.80})")
     return res
 
-# %% ../nbs/03_loader.ipynb #c008
+# %% ../nbs/03_loader.ipynb #c014
 def _pil_mode(ds, default='RGB'):
     "PIL mode ('RGB' or 'L') the x pipeline of `ds` creates"
     tl = ds.tls[0] if hasattr(ds, 'tls') else ds
@@ -77,7 +146,7 @@ def _pil_mode(ds, default='RGB'):
         if c is not None: return getattr(c, '_open_args', {}).get('mode', 'RGB')
     return default
 
-# %% ../nbs/03_loader.ipynb #c009
+# %% ../nbs/03_loader.ipynb #c015
 def _encode(tl, i, f):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
     except KeyError as e:
@@ -105,7 +174,7 @@ def _y_targets(ds, files):
                             f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
     return tuple(res)
 
-# %% ../nbs/03_loader.ipynb #c011
+# %% ../nbs/03_loader.ipynb #c017
 class EpochSource:
     "Per-sample `external_source` callback: the encoded image and the index of the item at each epoch position"
     def __init__(self, src:PythonSource, n_serve:int, order=None, seed:int=0):
@@ -119,7 +188,7 @@ class EpochSource:
         i = int(self._order(si.epoch_idx)[min(si.idx_in_epoch, len(self.src)-1)])
         return self.src[i], np.array(i, dtype=np.int64)
 
-# %% ../nbs/03_loader.ipynb #c012
+# %% ../nbs/03_loader.ipynb #c018
 def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
@@ -132,29 +201,69 @@ def python_workers_kwargs(source, n_workers):
     # spawn, not fork: the parent may already hold a CUDA context, which a forked child cannot use
     return dict(py_num_workers=n_workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
 
-# %% ../nbs/03_loader.ipynb #c014
+# %% ../nbs/03_loader.ipynb #c020
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
 
+def _read_error_msg(f, why):
+    return (f"DALI could not read or decode {f}: {why}. Fix or remove the file, or pass on_error='skip' to the "
+            "DaliDataLoaders factory (from_folder, from_df, ..., dali_dataloaders) to leave unreadable files out")
+
+def _dali_reason(msg):
+    "The line of a DALI error message that says what went wrong"
+    ls = [l.strip() for l in msg.splitlines()]
+    i = ls.index('encountered:')+1 if 'encountered:' in ls else 0
+    return next((l for l in ls[i:] if l and not l.startswith(('Traceback', 'Critical error', 'C++ context', 'Current pipeline'))),
+                msg[:200].strip())
+
+# %% ../nbs/03_loader.ipynb #c021
 def _bad_file(msg, files):
-    "The file a DALI error message names, else the first of `files` PIL cannot open"
+    "The file a DALI error message names, else the first of `files` DALI or PIL cannot read"
     named = [f for f in files if str(f) in msg]
     if named: return max(named, key=lambda f: len(str(f)))
     if not any(k in msg for k in ('decod', 'nvImageCodec', 'image', 'file', 'File')): return None
-    from PIL import Image
+    bad = next((f for f in files if not _file_decodes(f)), None)
+    if bad is not None: return bad
     for f in files:
         try:
             with Image.open(f) as im: im.verify()
         except Exception: return f
 
+def _why(f):
+    "What is wrong with file `f`, as fastai (PIL) sees it"
+    try:
+        if os.path.getsize(f) == 0: return "the file is empty (0 bytes)"
+        with Image.open(f) as im: fmt = im.format; im.load()
+    except Exception as e: return f"fastai cannot read it either ({type(e).__name__}: {e})"
+    return (f"it is a {fmt} file, which DALI does not decode but fastai does: give it its format's extension "
+            f"(.{str(fmt).lower()}) so that DaliDL has PIL decode it, or convert it to JPEG or PNG")
+
 def dali_read_error(e, files):
     "A `DaliReadError` for DALI error `e`, naming the bad file among `files` when there is one"
     msg = str(e)
     f = _bad_file(msg, files)
-    first = next((l for l in msg.splitlines() if l.strip() and not l.startswith(('Traceback', ' '))), msg[:200])
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
-    return DaliReadError(f"DALI could not read or decode {f}: fix or remove it ({first.strip()})")
+    return DaliReadError(_read_error_msg(f, f"{_why(f)} [DALI: {_dali_reason(msg)}]"))
 
-# %% ../nbs/03_loader.ipynb #c016
+# %% ../nbs/03_loader.ipynb #c023
+def _pil_problem(x):
+    "Why fastai cannot load image `x` (a path or encoded bytes), or `None` when it can"
+    try:
+        if not isinstance(x, (str, Path)): x = io.BytesIO(bytes(x))
+        with Image.open(x) as im:
+            if im.format == 'JPEG': im.draft(None, (1,1))
+            im.load()
+    except Exception as e: return f"{type(e).__name__}: {e}"
+
+def unreadable_images(src, num_threads=None):
+    "`[(index, reason)]` of the items of `src` (paths, or a `PythonSource`) whose image fastai cannot load"
+    get = src.encoded if isinstance(src, PythonSource) else src.__getitem__
+    def check(i):
+        try: return _pil_problem(get(i))
+        except Exception as e: return f"{type(e).__name__}: {e}"
+    with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, range(len(src))))
+    return [(i,r) for i,r in enumerate(res) if r is not None]
+
+# %% ../nbs/03_loader.ipynb #c025
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
@@ -183,7 +292,7 @@ class DaliDL(TfmdDL):
         d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'] = None,False,{}
         return d
 
-# %% ../nbs/03_loader.ipynb #c019
+# %% ../nbs/03_loader.ipynb #c028
 @patch
 def _shard_n(self:DaliDL):
     n = len(self.dataset) if self.n is None else self.n
@@ -194,7 +303,7 @@ def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
 
-# %% ../nbs/03_loader.ipynb #c021
+# %% ../nbs/03_loader.ipynb #c030
 @patch
 def _files_labels(self:DaliDL):
     "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
@@ -202,7 +311,9 @@ def _files_labels(self:DaliDL):
     if getattr(self, '_fl_key', None) != key:
         src = _x_sources(self.dataset)
         names = src if isinstance(src, list) else [f'item {i} ({o!r:.60})' for i,o in enumerate(getattr(src, 'items', []))]
-        self._fl,self._fl_key = (None if src is None else (src, _y_targets(self.dataset, names))),key
+        targets = None if src is None else _y_targets(self.dataset, names)
+        if isinstance(src, list): src = dali_files(src, _pil_mode(self.dataset), self.num_threads)  # GIF, 16-bit...: PIL
+        self._fl,self._fl_key,self._fl_names = (None if src is None else (src, targets)),key,names
         self._tgt_on = {}
     return self._fl
 
@@ -225,12 +336,12 @@ def _signature(self:DaliDL):
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
             self.hw_decoder_load)
 
-# %% ../nbs/03_loader.ipynb #c023
+# %% ../nbs/03_loader.ipynb #c032
 def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
 
-# %% ../nbs/03_loader.ipynb #c024
+# %% ../nbs/03_loader.ipynb #c033
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
@@ -250,11 +361,13 @@ def _build(self:DaliDL):
         files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed)
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
+    names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
     shard_id,num_shards = self.shard_id,self.num_shards
     mfiles = None if masks is None else [masks[i] for i in idxs]
     if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
         lo,hi = len(files)*shard_id//num_shards,len(files)*(shard_id+1)//num_shards
         files,labels,mfiles,shard_id,num_shards = files[lo:hi],labels[lo:hi],mfiles and mfiles[lo:hi],0,1
+        names = names[lo:hi]
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
@@ -267,8 +380,8 @@ def _build(self:DaliDL):
     it_kw = dict(reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL) if source is None else {}
     # Building the iterator runs the first batch: reading errors can surface here already
     try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
-    except RuntimeError as e: raise dali_read_error(e, files) from None
-    self._dali = (it, plan, log, self._signature(), files)
+    except RuntimeError as e: raise dali_read_error(e, names) from None
+    self._dali = (it, plan, log, self._signature(), names)
     self._n_builds += 1
     return self._dali
 
@@ -277,7 +390,7 @@ def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
     self._dali = None
 
-# %% ../nbs/03_loader.ipynb #c026
+# %% ../nbs/03_loader.ipynb #c035
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -288,7 +401,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c027
+# %% ../nbs/03_loader.ipynb #c036
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -318,7 +431,7 @@ def __iter__(self:DaliDL):
     self._in_epoch = False
     self.after_iter()
 
-# %% ../nbs/03_loader.ipynb #c029
+# %% ../nbs/03_loader.ipynb #c038
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"

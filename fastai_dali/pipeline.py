@@ -28,19 +28,20 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
     else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
         jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
+    # fastai's `PILImage.create` ignores the EXIF orientation: so does DALI (`adjust_orientation=False`)
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
     mixed = gpu and not plan.python
     # `hw_decoder_load`: the share of each batch the GPU's hardware JPEG decoder takes (None: DALI's default, 0.65)
     dkw = dict(hw_decoder_load=hw_decoder_load) if mixed and hw_decoder_load is not None else {}
-    img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], **dkw)
-    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs))
+    img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False, **dkw)
+    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False))
     img = plan(img, g)
     if log is not None: log.extend(g.log)
     if mask_files is None: return img, (y.gpu() if gpu else y)
     # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
     mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
-    m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY)
-    m = plan.masks(m, DaliGraph(train=train, gpu=False, mode='L', decoded=m, peek=fn.peek_image_shape(mj), is_mask=True,
+    m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
+    m = plan.masks(m, DaliGraph(train=train, gpu=False, mode='L', decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), is_mask=True,
                                 rand=g.rand))
     return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
 
