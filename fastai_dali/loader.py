@@ -23,7 +23,7 @@ from .pipeline import *
 
 # %% auto #0
 __all__ = ['dali_decodes', 'pil_png', 'dali_files', 'PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs',
-           'DaliReadError', 'dali_read_error', 'unreadable_images', 'DaliDL', 'augment_seed']
+           'DaliReadError', 'DaliPythonError', 'dali_read_error', 'unreadable_images', 'DaliDL', 'augment_seed']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _created_cls(f):
@@ -237,9 +237,16 @@ def _why(f):
     return (f"it is a {fmt} file, which DALI does not decode but fastai does: give it its format's extension "
             f"(.{str(fmt).lower()}) so that DaliDL has PIL decode it, or convert it to JPEG or PNG")
 
+class DaliPythonError(RuntimeError): "User code (a `get_x`, a transform running in Python) raised inside the DALI pipeline"
+
+# DALI's names for the operators that run the user's Python: an error there is the user's, not a file's
+_PY_OPS = ('DLTensorPythonFunction', 'fn.python_function', 'fn.external_source', 'ExternalSource')
+
 def dali_read_error(e, files):
-    "A `DaliReadError` for DALI error `e`, naming the bad file among `files` when there is one"
+    "A `DaliReadError` for DALI error `e`, naming the bad file among `files` when there is one (`DaliPythonError` for user code)"
     msg = str(e)
+    if any(k in msg for k in _PY_OPS):  # the message carries the user's traceback; no file to blame
+        return DaliPythonError(f"your Python code raised inside the DALI pipeline: {_dali_reason(msg)}\n\n{msg}")
     f = _bad_file(msg, files)
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
     return DaliReadError(_read_error_msg(f, f"{_why(f)} [DALI: {_dali_reason(msg)}]"))
