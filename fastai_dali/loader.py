@@ -22,8 +22,9 @@ from .transforms import *
 from .pipeline import *
 
 # %% auto #0
-__all__ = ['dali_decodes', 'pil_png', 'dali_files', 'PythonSource', 'MaskFiles', 'EpochSource', 'python_workers_kwargs',
-           'DaliReadError', 'DaliPythonError', 'dali_read_error', 'unreadable_images', 'DaliDL', 'augment_seed']
+__all__ = ['dali_decodes', 'pil_png', 'dali_files', 'PythonSource', 'MaskFiles', 'EpochFlag', 'EpochSource',
+           'python_workers_kwargs', 'DaliReadError', 'DaliPythonError', 'dali_read_error', 'unreadable_images',
+           'DaliDL', 'augment_seed']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _created_cls(f):
@@ -174,10 +175,37 @@ def _y_targets(ds, files):
                             f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
     return tuple(res)
 
-# %% ../nbs/03_loader.ipynb #c017
+# %% ../nbs/03_loader.ipynb #c018
+import struct, weakref
+from multiprocessing import shared_memory
+
+def _close_shm(shm):
+    shm.close()
+    try: shm.unlink()
+    except FileNotFoundError: pass
+
+class EpochFlag:
+    "A shared int64, -1 at first: the last abandoned epoch (set here, read by `EpochSource` in DALI's worker processes)"
+    def __init__(self):
+        self.shm = shared_memory.SharedMemory(create=True, size=8)
+        self.name = self.shm.name
+        self.set(-1)
+        weakref.finalize(self, _close_shm, self.shm)
+    def set(self, v): struct.pack_into('q', self.shm.buf, 0, v)
+    def get(self): return struct.unpack_from('q', self.shm.buf, 0)[0]
+    def __reduce__(self): return (_attach_flag, (self.name,))
+
+class _AttachedFlag:
+    # spawned workers share this process's resource tracker, so attaching registers nothing new: the creator unlinks it
+    def __init__(self, name): self.shm = shared_memory.SharedMemory(name=name)
+    def get(self): return struct.unpack_from('q', self.shm.buf, 0)[0]
+
+def _attach_flag(name): return _AttachedFlag(name)
+
+# %% ../nbs/03_loader.ipynb #c019
 class EpochSource:
     "Per-sample `external_source` callback: the encoded image and the index of the item at each epoch position"
-    def __init__(self, src:PythonSource, n_serve:int, order=None, seed:int=0):
+    def __init__(self, src:PythonSource, n_serve:int, order=None, seed:int=0, flag:EpochFlag=None):
         store_attr(); self._epoch,self._perm = None,None
     def _order(self, epoch):
         if self.order is not None: return self.order
@@ -185,10 +213,11 @@ class EpochSource:
         return self._perm
     def __call__(self, si):
         if si.idx_in_epoch >= self.n_serve: raise StopIteration
+        if self.flag is not None and si.epoch_idx <= self.flag.get(): raise StopIteration  # an abandoned epoch
         i = int(self._order(si.epoch_idx)[min(si.idx_in_epoch, len(self.src)-1)])
         return self.src[i], np.array(i, dtype=np.int64)
 
-# %% ../nbs/03_loader.ipynb #c018
+# %% ../nbs/03_loader.ipynb #c021
 def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
@@ -201,7 +230,7 @@ def python_workers_kwargs(source, n_workers):
     # spawn, not fork: the parent may already hold a CUDA context, which a forked child cannot use
     return dict(py_num_workers=n_workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
 
-# %% ../nbs/03_loader.ipynb #c020
+# %% ../nbs/03_loader.ipynb #c023
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
 
 def _read_error_msg(f, why):
@@ -215,7 +244,7 @@ def _dali_reason(msg):
     return next((l for l in ls[i:] if l and not l.startswith(('Traceback', 'Critical error', 'C++ context', 'Current pipeline'))),
                 msg[:200].strip())
 
-# %% ../nbs/03_loader.ipynb #c021
+# %% ../nbs/03_loader.ipynb #c024
 def _bad_file(msg, files):
     "The file a DALI error message names, else the first of `files` DALI or PIL cannot read"
     named = [f for f in files if str(f) in msg]
@@ -251,7 +280,7 @@ def dali_read_error(e, files):
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
     return DaliReadError(_read_error_msg(f, f"{_why(f)} [DALI: {_dali_reason(msg)}]"))
 
-# %% ../nbs/03_loader.ipynb #c023
+# %% ../nbs/03_loader.ipynb #c026
 def _pil_problem(x):
     "Why fastai cannot load image `x` (a path or encoded bytes), or `None` when it can"
     try:
@@ -270,7 +299,7 @@ def unreadable_images(src, num_threads=None):
     with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, range(len(src))))
     return [(i,r) for i,r in enumerate(res) if r is not None]
 
-# %% ../nbs/03_loader.ipynb #c025
+# %% ../nbs/03_loader.ipynb #c028
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
@@ -286,7 +315,7 @@ class DaliDL(TfmdDL):
         if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
-        self._dali,self._in_epoch,self._n_builds = None,False,0
+        self._dali,self._in_epoch,self._n_builds,self._source,self._epoch = None,False,0,None,0
 
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
@@ -296,10 +325,10 @@ class DaliDL(TfmdDL):
 
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
-        d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'] = None,False,{}
+        d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'],d['_source'] = None,False,{},None
         return d
 
-# %% ../nbs/03_loader.ipynb #c028
+# %% ../nbs/03_loader.ipynb #c031
 @patch
 def _shard_n(self:DaliDL):
     n = len(self.dataset) if self.n is None else self.n
@@ -310,7 +339,7 @@ def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
 
-# %% ../nbs/03_loader.ipynb #c030
+# %% ../nbs/03_loader.ipynb #c033
 @patch
 def _files_labels(self:DaliDL):
     "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
@@ -343,12 +372,12 @@ def _signature(self:DaliDL):
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
             self.hw_decoder_load)
 
-# %% ../nbs/03_loader.ipynb #c032
+# %% ../nbs/03_loader.ipynb #c035
 def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
 
-# %% ../nbs/03_loader.ipynb #c033
+# %% ../nbs/03_loader.ipynb #c036
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
@@ -365,7 +394,7 @@ def _build(self:DaliDL):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     if isinstance(src, PythonSource):
         if self.num_shards > 1: raise NotImplementedError("num_shards > 1 needs files for DALI's reader, not a `get_x` returning bytes")
-        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed)
+        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed, EpochFlag())
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
@@ -389,15 +418,15 @@ def _build(self:DaliDL):
     try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
     except RuntimeError as e: raise dali_read_error(e, names) from None
     self._dali = (it, plan, log, self._signature(), names)
-    self._n_builds += 1
+    self._n_builds,self._source,self._epoch = self._n_builds+1,source,0
     return self._dali
 
 @patch
 def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
-    self._dali = None
+    self._dali,self._source = None,None
 
-# %% ../nbs/03_loader.ipynb #c035
+# %% ../nbs/03_loader.ipynb #c038
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -408,7 +437,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c036
+# %% ../nbs/03_loader.ipynb #c039
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -418,16 +447,18 @@ def __iter__(self:DaliDL):
     self.randomize()
     self.before_iter()
     if len(self) == 0: return  # e.g. bs > n with drop_last: fastai yields nothing, and DALI cannot run an empty epoch
+    if self._dali is not None and self._in_epoch and self._dali[3] == self._signature(): self._end_epoch()
     if self._dali is None or self._in_epoch or self._dali[3] != self._signature(): self._build()
     it,plan,_,_,files = self._dali
-    self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one rebuilds
+    self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one ends it or rebuilds
     left = len(self)*self.bs if self.drop_last else self._shard_n()
     while True:
         try: d = next(it)
         except StopIteration: break
-        except RuntimeError as e:
+        except Exception as e:  # a failed pipeline cannot run again: the next epoch rebuilds it
             self._release()
-            raise dali_read_error(e, files) from None
+            if isinstance(e, RuntimeError): raise dali_read_error(e, files) from None
+            raise
         b = self._to_fastai(d[0], plan)
         # a Python source pads its last batch to full size, and DALI keeps shards in lock-step, so a shard whose share
         # ended early gets batches of padding: trim them (drain, but never yield an empty batch)
@@ -435,10 +466,23 @@ def __iter__(self:DaliDL):
         left -= k
         if k: yield b if k == len(b[0]) else tuple(o[:k] for o in b)
     it.reset()
-    self._in_epoch = False
+    self._in_epoch,self._epoch = False,self._epoch+1
     self.after_iter()
 
-# %% ../nbs/03_loader.ipynb #c038
+@patch
+def _end_epoch(self:DaliDL):
+    "End an abandoned epoch of a Python source early (`EpochFlag`), keeping its worker processes; readers rebuild"
+    src = getattr(self, '_source', None)
+    if src is None or src.flag is None: return
+    it = self._dali[0]
+    src.flag.set(self._epoch)
+    try:
+        for _ in it: pass  # the batches already prefetched
+        it.reset()
+    except Exception: self._release(); return
+    self._in_epoch,self._epoch = False,self._epoch+1
+
+# %% ../nbs/03_loader.ipynb #c041
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"
