@@ -306,7 +306,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
         L[f'ImageDataLoaders train + aug_transforms() ({W} workers)'] = lambda: idl_aug.train
     thr = bench_loaders(L, max_batches=max_batches, repeats=repeats, warmup=warmup)
-    if mixed:  # whole epochs: an abandoned epoch rebuilds the pipeline, and with it the pool of worker processes
+    if mixed:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
         k = 'DaliDataLoaders train, get_x -> bytes (external_source)'
         thr[k] = bench_loaders({k: lambda: dls_py.train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
         thr[k]['ratio'] = thr[k]['img_s']/thr[next(iter(L))]['img_s']
