@@ -44,11 +44,15 @@ def _drop_unreadable(dblock, source):
     items = (dblock.get_items or noop)(source)
     src = _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
     bad = unreadable_images(src) if src else []
-    keep = [i for i in range(len(items)) if i not in {i for i,_ in bad}]
-    kept = items if not bad else items.iloc[keep] if hasattr(items, 'iloc') else L(items)[keep]
+    if not bad: return dblock,[]
+    bad_i = {i for i,_ in bad}
+    keep = [i for i in range(len(items)) if i not in bad_i]
+    kept = items.iloc[keep] if hasattr(items, 'iloc') else L(items)[keep]
     db = copy.copy(dblock)
-    db.get_items = lambda _: kept  # fastai splits and labels the remaining items, as if the others were not there
-    if not bad: return db,[]
+    db.get_items = lambda _: kept  # fastai labels the remaining items
+    # and splits them as it splits all of them (an index or random splitter must not shift onto other items)
+    pos,split = {o:n for n,o in enumerate(keep)},dblock.splitter(items)
+    db.splitter = lambda _: [L(pos[i] for i in s if i in pos) for s in split]
     names = src if isinstance(src, list) else [f'item {i} ({src.items[i]!r:.60})' for i in range(len(src))]
     skipped = [(names[i], why) for i,why in bad]
     lines = [f"  {f}: {why}" for f,why in skipped[:20]] + ([f"  ... and {len(skipped)-20} more"] if len(skipped) > 20 else [])

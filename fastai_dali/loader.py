@@ -87,9 +87,10 @@ def _cached_png(f, mode='RGB'):
     try:
         st = os.stat(f)
         out = _png_dir/(hashlib.sha1(f'{Path(f).resolve()}|{st.st_size}|{st.st_mtime_ns}|{mode}'.encode()).hexdigest() + '.png')
-        if not out.exists():
-            tmp = out.with_suffix(f'.{os.getpid()}.tmp')
-            tmp.write_bytes(pil_png(f, mode)); os.replace(tmp, out)
+        if not out.exists():  # a unique temp name: the same file may be converted by two threads at once
+            fd,tmp = tempfile.mkstemp(dir=_png_dir, suffix='.tmp')
+            with os.fdopen(fd, 'wb') as fh: fh.write(pil_png(f, mode))
+            os.replace(tmp, out)
     except Exception as e: raise DaliReadError(_read_error_msg(f, f'{type(e).__name__}: {e}')) from None
     return out
 
@@ -245,17 +246,18 @@ def _dali_reason(msg):
                 msg[:200].strip())
 
 # %% ../nbs/03_loader.ipynb #c024
-def _bad_file(msg, files):
-    "The file a DALI error message names, else the first of `files` DALI or PIL cannot read"
-    named = [f for f in files if str(f) in msg]
-    if named: return max(named, key=lambda f: len(str(f)))
+def _bad_file(msg, files, names=None):
+    "The file a DALI error message names, else the first of `files` (as DALI read them) DALI or PIL cannot read, as `names` says"
+    names = files if names is None else names
+    named = [i for i,f in enumerate(files) if str(f) in msg]
+    if named: return names[max(named, key=lambda i: len(str(files[i])))]
     if not any(k in msg for k in ('decod', 'nvImageCodec', 'image', 'file', 'File')): return None
-    bad = next((f for f in files if not _file_decodes(f)), None)
-    if bad is not None: return bad
-    for f in files:
+    bad = next((i for i,f in enumerate(files) if not _file_decodes(f)), None)
+    if bad is not None: return names[bad]
+    for i,f in enumerate(files):
         try:
             with Image.open(f) as im: im.verify()
-        except Exception: return f
+        except Exception: return names[i]
 
 def _why(f):
     "What is wrong with file `f`, as fastai (PIL) sees it"
@@ -263,6 +265,8 @@ def _why(f):
         if os.path.getsize(f) == 0: return "the file is empty (0 bytes)"
         with Image.open(f) as im: fmt = im.format; im.load()
     except Exception as e: return f"fastai cannot read it either ({type(e).__name__}: {e})"
+    if _file_decodes(f):  # a format DALI reads, yet its decoder failed
+        return f"DALI's decoder rejected this {fmt} file, which PIL reads (a corrupt or unusual encoding): re-encode it"
     return (f"it is a {fmt} file, which DALI does not decode but fastai does: give it its format's extension "
             f"(.{str(fmt).lower()}) so that DaliDL has PIL decode it, or convert it to JPEG or PNG")
 
@@ -271,12 +275,12 @@ class DaliPythonError(RuntimeError): "User code (a `get_x`, a transform running 
 # DALI's names for the operators that run the user's Python: an error there is the user's, not a file's
 _PY_OPS = ('DLTensorPythonFunction', 'fn.python_function', 'fn.external_source', 'ExternalSource')
 
-def dali_read_error(e, files):
-    "A `DaliReadError` for DALI error `e`, naming the bad file among `files` when there is one (`DaliPythonError` for user code)"
+def dali_read_error(e, files, names=None):
+    "A `DaliReadError` for DALI error `e`, naming the bad file among `files` (called `names` for the user) when there is one (`DaliPythonError` for user code)"
     msg = str(e)
     if any(k in msg for k in _PY_OPS):  # the message carries the user's traceback; no file to blame
         return DaliPythonError(f"your Python code raised inside the DALI pipeline: {_dali_reason(msg)}\n\n{msg}")
-    f = _bad_file(msg, files)
+    f = _bad_file(msg, files, names)
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
     return DaliReadError(_read_error_msg(f, f"{_why(f)} [DALI: {_dali_reason(msg)}]"))
 
@@ -294,8 +298,9 @@ def unreadable_images(src, num_threads=None):
     "`[(index, reason)]` of the items of `src` (paths, or a `PythonSource`) whose image fastai cannot load"
     get = src.encoded if isinstance(src, PythonSource) else src.__getitem__
     def check(i):
-        try: return _pil_problem(get(i))
-        except Exception as e: return f"{type(e).__name__}: {e}"
+        try: x = get(i)
+        except OSError as e: return f"{type(e).__name__}: {e}"  # a missing or unreadable file; other errors are the user's
+        return _pil_problem(x)
     with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, range(len(src))))
     return [(i,r) for i,r in enumerate(res) if r is not None]
 
@@ -416,8 +421,10 @@ def _build(self:DaliDL):
     it_kw = dict(reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL) if source is None else {}
     # Building the iterator runs the first batch: reading errors can surface here already
     try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
-    except RuntimeError as e: raise dali_read_error(e, names) from None
-    self._dali = (it, plan, log, self._signature(), names)
+    except RuntimeError as e:
+        if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
+        raise dali_read_error(e, files, names) from None
+    self._dali = (it, plan, log, self._signature(), (files, names))
     self._n_builds,self._source,self._epoch = self._n_builds+1,source,0
     return self._dali
 
@@ -447,17 +454,22 @@ def __iter__(self:DaliDL):
     self.randomize()
     self.before_iter()
     if len(self) == 0: return  # e.g. bs > n with drop_last: fastai yields nothing, and DALI cannot run an empty epoch
-    if self._dali is not None and self._in_epoch and self._dali[3] == self._signature(): self._end_epoch()
+    # an abandoned epoch (its generator gone) of a Python source ends early; one still being iterated keeps its pipeline
+    live = getattr(self, '_live', None)
+    if self._dali is not None and self._in_epoch and self._dali[3] == self._signature() and not (live and live()):
+        self._end_epoch()
     if self._dali is None or self._in_epoch or self._dali[3] != self._signature(): self._build()
-    it,plan,_,_,files = self._dali
+    it,plan,_,_,(files,names) = self._dali
     self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one ends it or rebuilds
+    token = _Live(); self._live = weakref.ref(token)  # alive as long as this generator
     left = len(self)*self.bs if self.drop_last else self._shard_n()
     while True:
         try: d = next(it)
         except StopIteration: break
         except Exception as e:  # a failed pipeline cannot run again: the next epoch rebuilds it
             self._release()
-            if isinstance(e, RuntimeError): raise dali_read_error(e, files) from None
+            # DALI's own errors name no file we can trust as is; the user's (e.g. from a `get_x`) keep their traceback
+            if isinstance(e, RuntimeError) and 'Critical error' in str(e): raise dali_read_error(e, files, names) from None
             raise
         b = self._to_fastai(d[0], plan)
         # a Python source pads its last batch to full size, and DALI keeps shards in lock-step, so a shard whose share
@@ -466,8 +478,11 @@ def __iter__(self:DaliDL):
         left -= k
         if k: yield b if k == len(b[0]) else tuple(o[:k] for o in b)
     it.reset()
-    self._in_epoch,self._epoch = False,self._epoch+1
+    # unless another pass replaced the pipeline meanwhile: then its state is that pass's
+    if self._dali is not None and self._dali[0] is it: self._in_epoch,self._epoch = False,self._epoch+1
     self.after_iter()
+
+class _Live: pass
 
 @patch
 def _end_epoch(self:DaliDL):

@@ -282,3 +282,34 @@ def test_bad_first_train_image_named(tmp_path):
     with pytest.raises(DaliReadError, match='truncated') as ei:
         DaliDataLoaders.from_folder(root, device=DEVICE, bs=2, item_tfms=Resize(32))
     assert any(str(f) in str(ei.value) for f in train), str(ei.value)
+
+# ------------------------------------------------------------------------------------------------ review regressions
+def test_converted_file_not_blamed(tmp_path):
+    "A GIF (read by DALI as a PIL-made PNG) next to a broken `.jpg`: the error names the broken file, not the GIF"
+    root,(gif,txt) = make_folder(tmp_path, ['gif', 'text'])
+    with pytest.warns(UserWarning, match='decoded by PIL'):
+        dd = DaliDataLoaders.from_folder(root, device=DEVICE, bs=16, item_tfms=Resize(32))
+    with pytest.raises(DaliReadError) as ei: run_with_timeout(lambda: epoch(dd.valid))
+    assert str(txt) in str(ei.value) and str(gif) not in str(ei.value), str(ei.value)
+
+def test_same_file_converted_twice_at_once():
+    "Repeated items that need PIL (e.g. an oversampled DataFrame): converted by several threads at once, no error"
+    import tempfile
+    from fastai_dali.loader import dali_files
+    d = Path(tempfile.mkdtemp()); f = d/'a.gif'; Image.fromarray(photo()).save(f)
+    for _ in range(5):
+        with pytest.warns(UserWarning, match='decoded by PIL'): out = dali_files([f]*16, num_threads=8)
+        assert len(set(out)) == 1 and Path(out[0]).suffix == '.png' and Path(out[0]).exists()
+
+def test_skip_keeps_index_split(tmp_path):
+    "`on_error='skip'` with an index splitter: every kept item stays on the side the splitter put it"
+    from fastai.vision.all import IndexSplitter
+    root,(bad,) = make_folder(tmp_path, ['text'], where='train/a')
+    files = sorted(get_image_files(root), key=str)
+    valid_idx = [i for i,f in enumerate(files) if f.parent.name == 'b'][:3]
+    blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=lambda _: files, get_y=parent_label,
+                    splitter=IndexSplitter(valid_idx), item_tfms=Resize(32))
+    assert files.index(bad) < max(valid_idx)  # dropping it would shift the valid indices onto other items
+    with pytest.warns(UserWarning, match='left out 1'): dd = blk.dali_dataloaders(root, bs=2, device=DEVICE, on_error='skip')
+    assert list(dd.valid.items) == [files[i] for i in valid_idx]
+    assert sorted(dd.train.items, key=str) == [f for i,f in enumerate(files) if i not in valid_idx and f != bad]

@@ -410,3 +410,14 @@ def test_two_dataloaders_interleaved(tmp_path, id_root):
         check_valid_epoch(a, got['va']); check_valid_epoch(b, got['vb'])
         assert all(i < 1000 for bt in got['ta'] for i in ids_of(bt[0]))
         assert all(i >= 1000 for bt in got['tb'] for i in ids_of(bt[0]))
+
+
+def test_second_pass_while_first_alive(id_root):
+    "A Python source iterated again while an earlier pass is still alive (e.g. `one_batch` inside a loop): the earlier pass keeps its own epoch"
+    dls = id_loaders(id_root, 'bytes', num_threads=1)
+    tr = {id_of(f) for f in dls.train_ds.items}
+    g1 = iter(dls.train)
+    first = next(g1)
+    check_batch(dls, dls.train.one_batch(), tr, BS)
+    check_train_epoch(dls, [first] + list(g1))  # one permutation: full, distinct batches
+    check_train_epoch(dls, list(dls.train))
