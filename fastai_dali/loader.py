@@ -331,6 +331,7 @@ class DaliDL(TfmdDL):
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
         d = self.__dict__.copy(); d['_dali'],d['_in_epoch'],d['_tgt_on'],d['_source'] = None,False,{},None
+        d.pop('_live', None)  # a weakref to a live pass: not picklable, and meaningless in a copy
         return d
 
 # %% ../nbs/03_loader.ipynb #c031
