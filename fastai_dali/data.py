@@ -38,11 +38,15 @@ def check_image_folder(path, folders=None):
             raise ValueError(f"folder {str(p)!r} {why}")
 
 # %% ../nbs/04_data.ipynb #c007
+def _items_sources(dblock, source):
+    "`dblock`'s items of `source` and what DALI reads for each (see `_x_sources`), running only the x pipeline"
+    # the labels' setup (vocab) is not run here: it must wait for the items that are kept
+    items = (dblock.get_items or noop)(source)
+    return items, _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+
 def _drop_unreadable(dblock, source):
     "`dblock` without the items whose image fastai cannot load, and `[(file, reason)]` of those"
-    # only the x pipeline (`get_x`, `PILImage.create`) runs here: the labels' setup (vocab) waits for the kept items
-    items = (dblock.get_items or noop)(source)
-    src = _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+    items,src = _items_sources(dblock, source)
     bad = unreadable_images(src) if src else []
     if not bad: return dblock,[]
     bad_i = {i for i,_ in bad}
@@ -64,8 +68,7 @@ def _drop_unreadable(dblock, source):
 def _setup_error(e, dblock, source):
     "A `DaliReadError` naming the first training image if fastai's setup failed on it (else `None`)"
     try:
-        items = (dblock.get_items or noop)(source)
-        src = _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+        items,src = _items_sources(dblock, source)
         f = src[(dblock.splitter or RandomSplitter())(items)[0][0]] if isinstance(src, list) else None
     except Exception: return None
     why = None if f is None else _pil_problem(f)
