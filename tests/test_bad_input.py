@@ -117,6 +117,14 @@ def levels(a, b):
     "|a - b| in 0..255 levels (both sides are 0..1 floats: a level is exact up to float32 rounding of /255)"
     return ((a*255).round() - (b*255).round()).abs()
 
+def log_diff(mx, mean):
+    "Appends the measured |d| to $FASTAI_DALI_DIFF_LOG (JSON lines): how the tolerances above were measured"
+    if os.environ.get('FASTAI_DALI_DIFF_LOG'):
+        import json
+        with open(os.environ['FASTAI_DALI_DIFF_LOG'], 'a') as fh:
+            fh.write(json.dumps(dict(test=os.environ.get('PYTEST_CURRENT_TEST', '?'), device=DEVICE, max=mx, mean=mean)) + '\n')
+    return mx, mean
+
 def case_diff(dd, fd, f):
     "(max, mean) |d| on the image of file `f`, 0..255 units, after checking items and labels are fastai's"
     assert list(dd.valid.items) == list(fd.valid.items)
@@ -125,7 +133,7 @@ def case_diff(dd, fd, f):
     assert torch.equal(dy, fy)
     d = levels(dx, fx)
     i = list(dd.valid.items).index(f)
-    return d[i].max().item(), d[i].mean().item()
+    return log_diff(d[i].max().item(), d[i].mean().item())
 
 # ------------------------------------------------------------------------------------------------ decoded as fastai
 DECODED = ['png', 'bmp', 'tiff', 'tiff_lzw', 'webp', 'webp_lossless', 'gif', 'gray_jpeg', 'cmyk_jpeg', 'progressive',
@@ -271,7 +279,7 @@ def test_get_x_bytes_pil_fallback(tmp_path):
     (dx,dy), = run_with_timeout(lambda: epoch(dd.valid))
     (fx,fy), = epoch(fd.valid)
     assert torch.equal(dy, fy)
-    d = levels(dx, fx)
+    d = levels(dx, fx); log_diff(d.max().item(), d.mean().item())
     assert d.max() <= DECODE_TOL[0] and d.mean() <= DECODE_TOL[1], (d.max(), d.mean())
 
 def test_bad_first_train_image_named(tmp_path):
