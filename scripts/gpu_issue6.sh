@@ -8,8 +8,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $OUT/gpu.
 python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)" >> $OUT/gpu.txt 2>&1
 case $1 in
 tests)  # the issue 6 tests, with the measured |DALI - fastai| logged per case
-  FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl timeout ${2:-500} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=20 \
-    tests/test_bad_input.py tests/test_lifecycle.py > $OUT/pytest_issue6_cuda.txt 2>&1
+  t=${2:-500}; shift; shift
+  FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl timeout $t python3 -m pytest -q -p no:cacheprovider -rfEX --durations=20 -s \
+    ${@:-tests/test_bad_input.py tests/test_lifecycle.py} > $OUT/pytest_issue6_cuda.txt 2>&1
   echo "rc $?" >> $OUT/pytest_issue6_cuda.txt; tail -25 $OUT/pytest_issue6_cuda.txt ;;
 rest)   # the rest of the suite
   timeout ${2:-540} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=10 tests \

@@ -17,9 +17,17 @@ Measured |DALI - fastai| on the case image, 0..255 units, DALI 2.4 CPU backend v
     EXIF orientation 6 JPEG: needs `adjust_orientation=False` in 02_pipeline (see `test_exif_orientation_ignored`);
         with it: max 0 (decode only), max 6 / mean 0.16 (Resize(32) pad), before it: max 161, mean 10.
 
-Tolerances: `DECODE_TOL` (exact on the CPU) and `RESIZED_TOL` (a little above the measured, and within
-test_parity.py's squish tolerances). On the GPU (nvJPEG) JPEG decoding differs from libjpeg-turbo by a few levels:
-`DECODE_TOL['cuda']` is the parity tests' squish bound, not measured on these cases.
+On the H200 (`FASTAI_DALI_TEST_DEVICE=cuda`: 'mixed' decoder, nvJPEG / hardware JPEG decoder, DALI 2.4.0 cuda130,
+fastai 2.8.12; `FASTAI_DALI_DIFF_LOG` records these, docs/results/issue6/):
+    non-JPEG cases (PNG, BMP, TIFF, WebP, GIF, 16-bit PNG, ...), grey and CMYK JPEG, 1x1        max 0    mean 0
+    colour JPEGs (progressive, non-ASCII name, symlink, EXIF-rotated), decode only             max 7    mean <= 0.061
+    PILImageBW                                                                                 max 1    mean <= 0.494
+    8000x6000 JPEG, Resize(32)                                                                 max 9    mean 0.163
+    EXIF-rotated, Resize(32) pad                                                               max 6    mean 0.160
+    get_x -> bytes, a whole batch of 7 small JPEGs (+ GIF, 16-bit PNGs), decode only           max 20   mean 0.268
+
+Tolerances: `DECODE_TOL` (exact on the CPU, a little above the measured on the GPU), `BATCH_TOL` for the whole-batch
+comparison, `RESIZED_TOL` (a little above the measured, and within test_parity.py's squish tolerances).
 """
 import os, shutil, struct, zlib, warnings, zipfile
 from pathlib import Path
@@ -34,7 +42,8 @@ from fastai_dali.loader import DaliReadError, dali_decodes, unreadable_images
 from conftest import photos
 from test_parity import DEVICE, run_with_timeout, epoch, plain
 
-DECODE_TOL = {'cpu': (0., 0.), 'cuda': (24., 0.45)}[DEVICE.split(':')[0]]   # (max, mean) |d| in 0..255 levels
+DECODE_TOL = {'cpu': (0., 0.), 'cuda': (10., 0.1)}[DEVICE.split(':')[0]]    # (max, mean) |d| in 0..255 levels
+BATCH_TOL = {'cpu': (0., 0.), 'cuda': (24., 0.45)}[DEVICE.split(':')[0]]    # GPU: test_parity.py's squish bound
 # PILImageBW: DALI's RGB->grey conversion rounds differently from PIL's convert('L') (ITU-R 601-2, integer
 # arithmetic): measured max 1 level, mean <= 0.494 on colour images (0 for JPEGs, whose grey is libjpeg's Y)
 DECODE_TOL_L = (max(DECODE_TOL[0], 1.), max(DECODE_TOL[1], 0.5))
@@ -280,7 +289,7 @@ def test_get_x_bytes_pil_fallback(tmp_path):
     (fx,fy), = epoch(fd.valid)
     assert torch.equal(dy, fy)
     d = levels(dx, fx); log_diff(d.max().item(), d.mean().item())
-    assert d.max() <= DECODE_TOL[0] and d.mean() <= DECODE_TOL[1], (d.max(), d.mean())
+    assert d.max() <= BATCH_TOL[0] and d.mean() <= BATCH_TOL[1], (d.max(), d.mean())
 
 def test_bad_first_train_image_named(tmp_path):
     "fastai decodes the first training image while setting up: when it is bad, the error names it (PIL's does not)"
