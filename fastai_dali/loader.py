@@ -203,8 +203,31 @@ class _AttachedFlag:
 
 def _attach_flag(name): return _AttachedFlag(name)
 
-# %% ../nbs/03_loader.ipynb #c019
-class EpochSource:
+# %% ../nbs/03_loader.ipynb #c020
+def _rm(fn, _remove=os.remove):  # bound now: it may run at interpreter exit
+    try: _remove(fn)
+    except FileNotFoundError: pass
+
+class _PickledInFile:
+    "Pickles as the name of a temp file holding `cloudpickle` of its state, written once, deleted with the object"
+    def __reduce__(self):
+        if getattr(self, '_fn', None) is None:
+            import cloudpickle
+            data = cloudpickle.dumps((type(self), self.__getstate__()))
+            fd,fn = tempfile.mkstemp(prefix='fastai_dali_src_', suffix='.pkl')
+            with os.fdopen(fd, 'wb') as f: f.write(data)
+            self._fn = fn; weakref.finalize(self, _rm, fn)  # also at exit
+        return (_load_pickled, (self._fn,))
+    def __getstate__(self): return {k:v for k,v in self.__dict__.items() if k != '_fn'}
+
+def _load_pickled(fn):
+    import pickle
+    with open(fn, 'rb') as f: cls,state = pickle.load(f)
+    res = cls.__new__(cls); res.__dict__.update(state)
+    return res
+
+# %% ../nbs/03_loader.ipynb #c021
+class EpochSource(_PickledInFile):
     "Per-sample `external_source` callback: the encoded image and the index of the item at each epoch position"
     def __init__(self, src:PythonSource, n_serve:int, order=None, seed:int=0, flag:EpochFlag=None):
         store_attr(); self._epoch,self._perm = None,None
@@ -218,7 +241,7 @@ class EpochSource:
         i = int(self._order(si.epoch_idx)[min(si.idx_in_epoch, len(self.src)-1)])
         return self.src[i], np.array(i, dtype=np.int64)
 
-# %% ../nbs/03_loader.ipynb #c021
+# %% ../nbs/03_loader.ipynb #c025
 def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
@@ -231,7 +254,7 @@ def python_workers_kwargs(source, n_workers):
     # spawn, not fork: the parent may already hold a CUDA context, which a forked child cannot use
     return dict(py_num_workers=n_workers, py_start_method='spawn', py_callback_pickler=cloudpickle)
 
-# %% ../nbs/03_loader.ipynb #c023
+# %% ../nbs/03_loader.ipynb #c027
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
 
 def _read_error_msg(f, why):
@@ -245,7 +268,7 @@ def _dali_reason(msg):
     return next((l for l in ls[i:] if l and not l.startswith(('Traceback', 'Critical error', 'C++ context', 'Current pipeline'))),
                 msg[:200].strip())
 
-# %% ../nbs/03_loader.ipynb #c024
+# %% ../nbs/03_loader.ipynb #c028
 def _bad_file(msg, files, names=None):
     "The file a DALI error message names, else the first of `files` (as DALI read them) DALI or PIL cannot read, as `names` says"
     names = files if names is None else names
@@ -284,7 +307,7 @@ def dali_read_error(e, files, names=None):
     if f is None: return DaliReadError(f"DALI pipeline failed: {msg}")
     return DaliReadError(_read_error_msg(f, f"{_why(f)} [DALI: {_dali_reason(msg)}]"))
 
-# %% ../nbs/03_loader.ipynb #c026
+# %% ../nbs/03_loader.ipynb #c030
 def _pil_problem(x):
     "Why fastai cannot load image `x` (a path or encoded bytes), or `None` when it can"
     try:
@@ -304,7 +327,7 @@ def unreadable_images(src, num_threads=None):
     with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, range(len(src))))
     return [(i,r) for i,r in enumerate(res) if r is not None]
 
-# %% ../nbs/03_loader.ipynb #c028
+# %% ../nbs/03_loader.ipynb #c032
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
@@ -334,7 +357,7 @@ class DaliDL(TfmdDL):
         d.pop('_live', None)  # a weakref to a live pass: not picklable, and meaningless in a copy
         return d
 
-# %% ../nbs/03_loader.ipynb #c031
+# %% ../nbs/03_loader.ipynb #c035
 @patch
 def _shard_n(self:DaliDL):
     n = len(self.dataset) if self.n is None else self.n
@@ -345,7 +368,7 @@ def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
 
-# %% ../nbs/03_loader.ipynb #c033
+# %% ../nbs/03_loader.ipynb #c037
 @patch
 def _files_labels(self:DaliDL):
     "Files and stacked targets of the dataset, computed once per dataset (fastai's labelling runs only here)"
@@ -378,12 +401,12 @@ def _signature(self:DaliDL):
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
             self.hw_decoder_load)
 
-# %% ../nbs/03_loader.ipynb #c035
+# %% ../nbs/03_loader.ipynb #c039
 def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
 
-# %% ../nbs/03_loader.ipynb #c036
+# %% ../nbs/03_loader.ipynb #c040
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
@@ -434,7 +457,7 @@ def _release(self:DaliDL):
     "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
     self._dali,self._source = None,None
 
-# %% ../nbs/03_loader.ipynb #c038
+# %% ../nbs/03_loader.ipynb #c042
 @patch
 def _to_fastai(self:DaliDL, d, plan):
     idx = d['y'].view(-1).long()
@@ -445,7 +468,7 @@ def _to_fastai(self:DaliDL, d, plan):
     if self.device is not None: b = to_device(b, self.device)
     return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
-# %% ../nbs/03_loader.ipynb #c039
+# %% ../nbs/03_loader.ipynb #c043
 @patch
 def __iter__(self:DaliDL):
     if self._files_labels() is None:  # e.g. `learn.predict(PILImage)`: nothing on disk for DALI to read
@@ -498,7 +521,7 @@ def _end_epoch(self:DaliDL):
     except Exception: self._release(); return
     self._in_epoch,self._epoch = False,self._epoch+1
 
-# %% ../nbs/03_loader.ipynb #c041
+# %% ../nbs/03_loader.ipynb #c045
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"

@@ -24,4 +24,8 @@ mixed)  # import cost of one worker, GPU memory over 20 epochs, mixed path start
   cat $OUT/import.txt
   OUT=$OUT timeout ${2:-400} python3 scripts/mixed_startup.py /tmp/bench/data_10000 ${3:-2,4,8} cuda > $OUT/mixed.txt 2>&1
   echo "rc $?" >> $OUT/mixed.txt; cat $OUT/mixed.txt | grep -v Warning | tail -20 ;;
+startup)  # mixed path only (after the worker start-up fix): start-up and whole epochs per worker count
+  python3 -c "from fastai_dali.bench import make_bench_dataset; make_bench_dataset('/tmp/bench/data_10000', 10000)" > /dev/null 2>&1
+  OUT=$OUT timeout ${2:-300} python3 scripts/mixed_startup.py /tmp/bench/data_10000 ${3:-4,8,16} cuda > $OUT/mixed.txt 2>&1
+  echo "rc $?" >> $OUT/mixed.txt; grep -v -i "nvjpeg\|nvtiff\|Note:" $OUT/mixed.txt | tail -20 ;;
 esac
