@@ -339,7 +339,7 @@ class DaliDL(TfmdDL):
         kwargs['num_workers'] = 0  # DALI's threads do the work
         super().__init__(dataset, bs=bs, shuffle=shuffle, **kwargs)
         if num_threads is None: num_threads = default_num_threads()
-        if py_workers is None: py_workers = default_num_threads()
+        if py_workers is None: py_workers = min(8, default_num_threads())
         if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)

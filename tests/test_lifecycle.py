@@ -18,7 +18,8 @@ What each group asserts (numbers measured on the 2-core CPU machine this was wri
   5 rebuilds of a cycle costs ~115 KB of RSS and 2-3 native threads, i.e. ~50 MB and ~1000 threads over 90 cycles,
   ~5.7 MB in every 10 cycles. On the H200 (DALI GPU pipelines, `FASTAI_DALI_TEST_DEVICE=cuda`) RSS grows in steps:
   files, cycle 10 -> 100: +25.9 MB at cycle 20, +26.5 MB at cycle 60, +0.05..0.5 MB in each other 10 cycles (53.9 MB in
-  all, 2.75 GB RSS: CUDA's host-side pools growing, not a leak per rebuild). So two checks: the median growth per 10
+  all, 2.75 GB RSS: CUDA's host-side pools growing, not a leak per rebuild); a second run: 4.1 MB in all, 0.04..1.4 MB
+  per 10 cycles, no step (docs/results/issue6/h200_pytest_issue6_run{1,2}.txt). So two checks: the median growth per 10
   cycles <= `RSS_TOL_STEP` (a leak per rebuild shows in every interval) and the total <= `RSS_TOL_CYCLES`.
   The thread count is read once the dropped pipelines' threads have exited (asynchronously: up to ~10 extra right
   after an epoch).

@@ -81,3 +81,15 @@ def test_unpicklable_get_x_is_named(zipped):
                     splitter=FuncSplitter(is_valid), item_tfms=Resize(32))
     dls = bad.dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
     with pytest.raises(TypeError, match='picklable'): dls.train.one_batch()
+
+def test_worker_callback_file_removed(zipped):
+    "The callback reaches the workers as a temp file (03_loader: they start at once); it goes with the pipeline"
+    import os
+    from fastai_dali.loader import EpochSource
+    dd = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
+    assert sum(len(b[0]) for b in dd.valid) == len(dd.valid_ds)
+    src = dd.valid._source
+    assert isinstance(src, EpochSource) and os.path.exists(src._fn)
+    fn = src._fn; del src
+    dd.valid._release(); gc.collect()
+    assert not os.path.exists(fn)
