@@ -219,6 +219,9 @@ class _PickledInFile:
             self._fn = fn; weakref.finalize(self, _rm, fn)  # also at exit
         return (_load_pickled, (self._fn,))
     def __getstate__(self): return {k:v for k,v in self.__dict__.items() if k != '_fn'}
+    def drop_file(self):
+        "Delete the file once it has been read (DALI's workers load their callback before the pipeline is built)"
+        if getattr(self, '_fn', None) is not None: _rm(self._fn); self._fn = None
 
 def _load_pickled(fn):
     import pickle
@@ -448,6 +451,8 @@ def _build(self:DaliDL):
     except RuntimeError as e:
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
         raise dali_read_error(e, files, names) from None
+    finally:
+        if source is not None: source.drop_file()  # read by the workers: nothing is left in the temp dir, even after a kill
     self._dali = (it, plan, log, self._signature(), (files, names))
     self._n_builds,self._source,self._epoch = self._n_builds+1,source,0
     return self._dali

@@ -89,7 +89,7 @@ def test_worker_callback_file_removed(zipped):
     dd = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
     assert sum(len(b[0]) for b in dd.valid) == len(dd.valid_ds)
     src = dd.valid._source
-    assert isinstance(src, EpochSource) and os.path.exists(src._fn)
-    fn = src._fn; del src
-    dd.valid._release(); gc.collect()
+    assert isinstance(src, EpochSource) and src._fn is None   # read by the workers when they started, then deleted
+    fn = src.__reduce__()[1][0]; assert os.path.exists(fn)    # pickled again: a new file, deleted with the source
+    del src; dd.valid._release(); gc.collect()
     assert not os.path.exists(fn)
