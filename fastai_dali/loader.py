@@ -220,7 +220,7 @@ class _PickledInFile:
         return (_load_pickled, (self._fn,))
     def __getstate__(self): return {k:v for k,v in self.__dict__.items() if k != '_fn'}
     def drop_file(self):
-        "Delete the file once it has been read (DALI's workers load their callback before the pipeline is built)"
+        "Delete the file once it has been read (DALI's workers load their callback while `build()` starts them)"
         if getattr(self, '_fn', None) is not None: _rm(self._fn); self._fn = None
 
 def _load_pickled(fn):
@@ -249,7 +249,7 @@ def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
     import cloudpickle
-    try: cloudpickle.dumps(source)
+    try: cloudpickle.dumps(source.__getstate__())  # its state: no temp file yet (see `_PickledInFile`)
     except Exception as e:
         raise TypeError(f"DaliDL runs `get_x` in DALI's worker processes, so it and the items must be picklable "
                         f"(cloudpickle), and this one is not: {type(e).__name__}: {e}. Use module-level functions or "
@@ -452,7 +452,7 @@ def _build(self:DaliDL):
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
         raise dali_read_error(e, files, names) from None
     finally:
-        if source is not None: source.drop_file()  # read by the workers: nothing is left in the temp dir, even after a kill
+        if source is not None: source.drop_file()  # written and read while the iterator builds the pipeline: gone now
     self._dali = (it, plan, log, self._signature(), (files, names))
     self._n_builds,self._source,self._epoch = self._n_builds+1,source,0
     return self._dali

@@ -52,7 +52,7 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
 
 from conftest import make_image_folder
-from test_parity import DEVICE, plain, run_with_timeout
+from test_parity import DEVICE, PRED_ATOL, plain, run_with_timeout
 
 CLS = ('a', 'b', 'c')
 N_TRAIN, N_VALID, BS = 43, 22, 6       # train: 7 batches (drop_last drops 1 item); valid: 6,6,6,4
@@ -387,8 +387,8 @@ def test_export_load_learner_new_path_resnet(tmp_path):
         atol = 1e-5 if DEVICE == 'cpu' or not cpu else 2e-3
         preds,_ = learn2.get_preds(dl=learn2.dls.test_dl(files))
         assert preds.shape == ref.shape and torch.allclose(preds.cpu(), ref.cpu(), atol=atol), (cpu, (preds.cpu() - ref.cpu()).abs().max())
-        _,_,probs = learn2.predict(files[2])   # bs 1 vs 4: same images
-        assert torch.allclose(probs.cpu(), ref[2].cpu(), atol=max(atol, 1e-4)), (cpu, (probs.cpu() - ref[2].cpu()).abs().max())
+        _,_,probs = learn2.predict(files[2])   # bs 1 vs 4: same images (test_parity.py's PRED_ATOL: batch size changes GPU kernels)
+        assert torch.allclose(probs.cpu(), ref[2].cpu(), atol=max(atol, PRED_ATOL)), (cpu, (probs.cpu() - ref[2].cpu()).abs().max())
 
 @pytest.mark.parametrize('kind', ['files', 'bytes'])
 def test_pickle_dataloaders(id_root, kind):
