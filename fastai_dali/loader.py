@@ -24,7 +24,7 @@ from .pipeline import *
 # %% auto #0
 __all__ = ['dali_decodes', 'pil_png', 'dali_files', 'PythonSource', 'MaskFiles', 'EpochFlag', 'EpochSource',
            'python_workers_kwargs', 'DaliReadError', 'DaliPythonError', 'dali_read_error', 'unreadable_images',
-           'DaliDL', 'augment_seed']
+           'jpeg_problem', 'truncated_jpegs', 'DaliDL', 'augment_seed']
 
 # %% ../nbs/03_loader.ipynb #c005
 def _created_cls(f):
@@ -119,6 +119,9 @@ class PythonSource:
         return Path(x).read_bytes() if isinstance(x, (str, Path)) else x
     def __getitem__(self, i):
         x = self.encoded(i)
+        if bytes(x[:3]) == b'\xff\xd8\xff':  # a JPEG cut short: nvJPEG would decode it without an error
+            why = jpeg_problem(x)
+            if why: raise DaliReadError(_read_error_msg(f'item {i} ({self.items[i]!r:.60})', f'the JPEG is truncated ({why})'))
         if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
             try: x = pil_png(x, self.mode)
             except Exception as e:
@@ -179,11 +182,13 @@ def _y_targets(ds, files):
 # %% ../nbs/03_loader.ipynb #c018
 import struct, weakref
 from multiprocessing import shared_memory
+from multiprocessing.util import Finalize
 
-def _close_shm(shm):
-    shm.close()
-    try: shm.unlink()
+def _unlink_shm(shm):
+    try: shm.unlink()  # also tells the resource tracker it is gone; a second call raises before that
     except FileNotFoundError: pass
+
+def _close_shm(shm): shm.close(); _unlink_shm(shm)
 
 class EpochFlag:
     "A shared int64, -1 at first: the last abandoned epoch (set here, read by `EpochSource` in DALI's worker processes)"
@@ -191,7 +196,11 @@ class EpochFlag:
         self.shm = shared_memory.SharedMemory(create=True, size=8)
         self.name = self.shm.name
         self.set(-1)
-        weakref.finalize(self, _close_shm, self.shm)
+        # multiprocessing's Finalize also runs when this process is itself a multiprocessing child (atexit does not)
+        Finalize(self, _close_shm, args=(self.shm,), exitpriority=0)
+    def unlink(self):
+        "Remove the name once the workers have attached: the memory lives on, and nothing is left if this process dies"
+        _unlink_shm(self.shm)
     def set(self, v): struct.pack_into('q', self.shm.buf, 0, v)
     def get(self): return struct.unpack_from('q', self.shm.buf, 0)[0]
     def __reduce__(self): return (_attach_flag, (self.name,))
@@ -241,7 +250,8 @@ class EpochSource(_PickledInFile):
     def __call__(self, si):
         if si.idx_in_epoch >= self.n_serve: raise StopIteration
         if self.flag is not None and si.epoch_idx <= self.flag.get(): raise StopIteration  # an abandoned epoch
-        i = int(self._order(si.epoch_idx)[min(si.idx_in_epoch, len(self.src)-1)])
+        o = self._order(si.epoch_idx)
+        i = int(o[min(si.idx_in_epoch, len(o)-1)])
         return self.src[i], np.array(i, dtype=np.int64)
 
 # %% ../nbs/03_loader.ipynb #c025
@@ -330,6 +340,28 @@ def unreadable_images(src, num_threads=None):
     with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, range(len(src))))
     return [(i,r) for i,r in enumerate(res) if r is not None]
 
+# %% ../nbs/03_loader.ipynb #c101
+def _jpeg_ends(tail:bytes):
+    "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
+    return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
+
+def jpeg_problem(x, tail=4096):
+    "Why JPEG `x` (a path or encoded bytes) is cut short, as fastai (PIL) sees it, or `None` when it is complete"
+    if isinstance(x, (str, Path)):
+        with open(x, 'rb') as f:
+            f.seek(0, os.SEEK_END); f.seek(max(0, f.tell()-tail)); end = f.read()
+    else: end = bytes(x[-tail:])
+    return None if _jpeg_ends(end) else _pil_problem(x)
+
+def truncated_jpegs(files, num_threads=None):
+    "`[(index, reason)]` of the `.jpg` files among `files` that end before their end-of-image marker and PIL rejects"
+    cands = [i for i,f in enumerate(files) if str(f).lower().endswith(_JPEG_EXTS)]
+    def check(i):
+        try: return jpeg_problem(files[i])
+        except OSError: return None  # missing or unreadable: DALI's reader names it
+    with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, cands))
+    return [(i,r) for i,r in zip(cands, res) if r is not None]
+
 # %% ../nbs/03_loader.ipynb #c032
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
@@ -346,7 +378,7 @@ class DaliDL(TfmdDL):
         if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
-        self._dali,self._in_epoch,self._n_builds,self._source,self._epoch = None,False,0,None,0
+        self._dali,self._in_epoch,self._n_builds,self._source,self._epoch,self._order = None,False,0,None,0,None
 
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
@@ -370,6 +402,19 @@ def _shard_n(self:DaliDL):
 def __len__(self:DaliDL):
     n = self._shard_n()
     return n//self.bs + (0 if self.drop_last or n%self.bs==0 else 1)
+
+# %% ../nbs/03_loader.ipynb #c047
+import itertools
+from types import MethodType
+from fastai.data.load import DataLoader
+
+@patch
+def _custom_order(self:DaliDL):
+    "The item order of a `get_idxs` that fastai or a callback installed, read lazily (`None` for fastai's own)"
+    f = self.get_idxs
+    if isinstance(f, MethodType) and f.__func__ is DataLoader.get_idxs: return None
+    n = len(self.dataset) if self.n is None else self.n
+    return tuple(int(i) for i in itertools.islice(f(), n))
 
 # %% ../nbs/03_loader.ipynb #c037
 @patch
@@ -402,12 +447,21 @@ def _signature(self:DaliDL):
     import fastai_dali.transforms as T  # the graph also depends on this module setting
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
             self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
-            self.hw_decoder_load)
+            self.hw_decoder_load, self.seed, self._order)
 
 # %% ../nbs/03_loader.ipynb #c039
 def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
+
+# %% ../nbs/03_loader.ipynb #c103
+@patch
+def _check_jpeg_ends(self:DaliDL, files, names):
+    "Raise a `DaliReadError` naming the first truncated JPEG among `files` (checked once per dataset)"
+    if not files or getattr(self, '_ends_ok', None) == id(self.dataset): return
+    bad = truncated_jpegs(files, self.num_threads)
+    if bad: raise DaliReadError(_read_error_msg(names[bad[0][0]], f"the JPEG is truncated ({bad[0][1]})"))
+    self._ends_ok = id(self.dataset)
 
 # %% ../nbs/03_loader.ipynb #c040
 @patch
@@ -416,8 +470,9 @@ def _build(self:DaliDL):
     self._release()
     src,targets = self._files_labels()
     masks = next((t for t in targets if isinstance(t, MaskFiles)), None)
-    # fastai's order (e.g. `get_preds` passes its own `get_idxs`); the reader's label is the item index
-    idxs = list(range(len(src))) if self.shuffle else list(self.get_idxs())
+    # the reader's label is the item index; an order fastai or a callback installed is read unshuffled
+    order,shuffle = self._order,self.shuffle and self._order is None
+    idxs = list(order) if order is not None else list(range(len(src))) if shuffle else list(self.get_idxs())
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
     # a rebuilt pipeline draws new permutations and augmentations, reproducibly
@@ -426,17 +481,18 @@ def _build(self:DaliDL):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     if isinstance(src, PythonSource):
         if self.num_shards > 1: raise NotImplementedError("num_shards > 1 needs files for DALI's reader, not a `get_x` returning bytes")
-        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if self.shuffle else idxs, seed, EpochFlag())
+        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if shuffle else idxs, seed, EpochFlag())
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
+    self._check_jpeg_ends(files, names)
     shard_id,num_shards = self.shard_id,self.num_shards
     mfiles = None if masks is None else [masks[i] for i in idxs]
     if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
         lo,hi = len(files)*shard_id//num_shards,len(files)*(shard_id+1)//num_shards
         files,labels,mfiles,shard_id,num_shards = files[lo:hi],labels[lo:hi],mfiles and mfiles[lo:hi],0,1
         names = names[lo:hi]
-    pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=self.shuffle, shard_id=shard_id,
+    pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
                            seed=augment_seed(seed, self.shard_id),
@@ -452,7 +508,8 @@ def _build(self:DaliDL):
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
         raise dali_read_error(e, files, names) from None
     finally:
-        if source is not None: source.drop_file()  # written and read while the iterator builds the pipeline: gone now
+        if source is not None:  # written and read while the iterator builds the pipeline (workers attached): gone now
+            source.drop_file(); source.flag.unlink()
     self._dali = (it, plan, log, self._signature(), (files, names))
     self._n_builds,self._source,self._epoch = self._n_builds+1,source,0
     return self._dali
@@ -483,6 +540,8 @@ def __iter__(self:DaliDL):
     self.randomize()
     self.before_iter()
     if len(self) == 0: return  # e.g. bs > n with drop_last: fastai yields nothing, and DALI cannot run an empty epoch
+    self._order = self._custom_order()
+    if self._order is not None and not self._order: return  # a replaced `get_idxs` gave no items
     # an abandoned epoch (its generator gone) of a Python source ends early; one still being iterated keeps its pipeline
     live = getattr(self, '_live', None)
     if self._dali is not None and self._in_epoch and self._dali[3] == self._signature() and not (live and live()):
@@ -492,6 +551,7 @@ def __iter__(self:DaliDL):
     self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one ends it or rebuilds
     token = _Live(); self._live = weakref.ref(token)  # alive as long as this generator
     left = len(self)*self.bs if self.drop_last else self._shard_n()
+    if self._order is not None and self.num_shards == 1: left = min(left, len(self._order))
     while True:
         try: d = next(it)
         except StopIteration: break

@@ -22,9 +22,12 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
                     parallel=True, mask_files=None, reader_seed=0, hw_decoder_load=None):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
-    # DALI forbids stick_to_shard with shuffle_after_epoch; an explicit seed gives a mask reader the same permutation
+    # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed` (a fixed permutation
+    # in every run): `shuffle_after_epoch_seed` makes the order follow the loader's seed, and gives a mask reader
+    # (and every shard) the same permutation
     rkw = dict(labels=list(labels), shuffle_after_epoch=shuffle, pad_last_batch=True, stick_to_shard=not shuffle,
                shard_id=shard_id, num_shards=num_shards, seed=reader_seed)
+    if shuffle: rkw['shuffle_after_epoch_seed'] = reader_seed
     if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
     else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
         jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
@@ -56,3 +59,12 @@ def track_pipeline(pipe):
 
 def _keep_in_child(): _inherited.extend(_live_pipes)
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)
+
+def _close_pools(live=_live_pipes, inherited=_inherited):  # bound now: it runs at exit
+    "Stop the Python worker processes of this process's live pipelines (idempotent)"
+    for p in list(live):
+        pool = getattr(p, '_py_pool', None)  # DALI stops them itself, from an atexit hook
+        if pool is not None and not any(p is q for q in inherited): pool.close()
+
+from multiprocessing.util import Finalize
+Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
