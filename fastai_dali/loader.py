@@ -346,12 +346,13 @@ def _jpeg_ends(tail:bytes):
     return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
 
 def jpeg_problem(x, tail=4096):
-    "Why JPEG `x` (a path or encoded bytes) is cut short, as fastai (PIL) sees it, or `None` when it is complete"
+    "Why JPEG `x` (a path or encoded bytes) is cut short, as fastai (PIL) sees it; `None` when complete or not a JPEG"
     if isinstance(x, (str, Path)):
         with open(x, 'rb') as f:
-            f.seek(0, os.SEEK_END); f.seek(max(0, f.tell()-tail)); end = f.read()
-    else: end = bytes(x[-tail:])
-    return None if _jpeg_ends(end) else _pil_problem(x)
+            head = f.read(3); f.seek(0, os.SEEK_END); f.seek(max(0, f.tell()-tail)); end = f.read()
+    else: head,end = bytes(x[:3]),bytes(x[-tail:])
+    if head != b'\xff\xd8\xff' or _jpeg_ends(end): return None  # not a JPEG (DALI names those itself), or complete
+    return _pil_problem(x)
 
 def truncated_jpegs(files, num_threads=None):
     "`[(index, reason)]` of the `.jpg` files among `files` that end before their end-of-image marker and PIL rejects"
