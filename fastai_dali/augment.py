@@ -17,8 +17,8 @@ from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
 # %% auto #0
-__all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'affine_mat', 'warp_homography', 'AffineParams',
-           'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
+__all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'np_affine_mat', 'warp_homography',
+           'AffineParams', 'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
 
 # %% ../nbs/01b_augment.ipynb #c005
 def _coin(g, tfm, key, p):
@@ -130,7 +130,7 @@ class _Draws:
         c = self.u[:, self.i]; self.i += 1
         return np.full_like(c, c[0]) if batch else c
 
-def affine_mat(*ms):
+def np_affine_mat(*ms):
     "(B,3,3) matrices from six (B,) rows, as fastai's `affine_mat`"
     B = max(np.size(m) for m in ms)
     ms = [np.broadcast_to(np.asarray(m, dtype=np.float64), (B,)) for m in ms]
@@ -141,26 +141,26 @@ affine_draws = {}  # fastai matrix function -> (number of draws, f(draw, **kwarg
 
 def _flip(d, p=0.5, batch=False, **kw):
     s = np.where(d(batch) < p, -1., 1.)
-    return affine_mat(s, 0, 0, 0, 1, 0)
+    return np_affine_mat(s, 0, 0, 0, 1, 0)
 affine_draws[flip_mat] = (1, _flip)
 
 def _rotate(d, max_deg=10, p=0.5, batch=False, **kw):
     keep,a = d(batch) < p, d(batch)
     th = np.where(keep, (2*a-1)*max_deg, 0.) * math.pi/180
-    return affine_mat(np.cos(th), np.sin(th), 0, -np.sin(th), np.cos(th), 0)
+    return np_affine_mat(np.cos(th), np.sin(th), 0, -np.sin(th), np.cos(th), 0)
 affine_draws[rotate_mat] = (2, _rotate)
 
 def _zoom(d, min_zoom=1., max_zoom=1.1, p=0.5, batch=False, **kw):
     keep,z,col,row = d(batch) < p, d(batch), d(batch), d(batch)
     s = 1/np.where(keep, min_zoom + z*(max_zoom-min_zoom), 1.)
-    return affine_mat(s, 0, (1-s)*(2*col-1), 0, s, (1-s)*(2*row-1))
+    return np_affine_mat(s, 0, (1-s)*(2*col-1), 0, s, (1-s)*(2*row-1))
 affine_draws[zoom_mat] = (4, _zoom)
 
 _dih = np.array([[1,-1,1,-1,-1,1,1,-1], [1,1,-1,1,-1,-1,1,-1], [1,1,1,0,1,0,0,0], [0,0,0,1,0,1,1,1]], dtype=np.float64)
 def _dihedral(d, p=0.5, batch=False, **kw):
     keep,k = d(batch) < p, d(batch)
     xs,ys,m0,m1 = _dih[:, np.where(keep, np.minimum((k*8).astype(int), 7), 0)]
-    return affine_mat(xs*m0, xs*m1, 0, ys*m1, ys*m0, 0)
+    return np_affine_mat(xs*m0, xs*m1, 0, ys*m1, ys*m0, 0)
 affine_draws[dihedral_mat] = (2, _dihedral)
 
 # %% ../nbs/01b_augment.ipynb #c021

@@ -74,7 +74,8 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
     return img, y
 
 # %% ../nbs/07_bench.ipynb #c011
-import json, time, statistics
+import json, time, statistics, gc
+from contextlib import closing
 from pathlib import Path
 import torch
 from fastprogress.fastprogress import progress_bar
@@ -86,25 +87,30 @@ def gpu_memory_mb():
     return (total-free)/2**20
 
 def _epochs(dl, n_batches):
-    "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`)"
+    "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`); each epoch's iterator closed when left"
     i = 0
     while True:
-        empty = True
-        for b in dl:
-            empty = False; yield b; i += 1
-            if n_batches and i >= n_batches: return
+        empty,it = True,iter(dl)
+        try:
+            for b in it:
+                empty = False; yield b; i += 1
+                if n_batches and i >= n_batches: return
+        finally: getattr(it, 'close', noop)()  # a fastai loader's generator: its torch iterator stops its workers now
         if empty or not n_batches: return
 
 def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
     "Images/s over `max_batches` batches of `dl` (more epochs if needed) after `warmup`; device memory (MiB) every `mem_every` batches"
-    n,t0,mem,m0 = 0,None,[],gpu_memory_mb()
-    for i,b in enumerate(_epochs(dl, max_batches and warmup+max_batches)):
-        if i == warmup: _sync(); t0 = time.perf_counter()
-        if i >= warmup: n += len(b[0])
-        if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
-    _sync()
+    n,t0,mem,m0,total = 0,None,[],gpu_memory_mb(),max_batches and warmup+max_batches
+    with closing(_epochs(dl, total)) as batches:
+        for i,b in enumerate(batches):
+            if i == warmup: _sync(); t0 = time.perf_counter()
+            if i >= warmup: n += len(b[0])
+            if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
+            if total and i+1 == total: break  # the clock stops before the pass is closed (and its workers shut down)
+        _sync(); t1 = time.perf_counter()
+    gc.collect()  # no iterator of this loader left for the next loader's forked workers to inherit and collect
     if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
-    res = {'img_s': n/(time.perf_counter()-t0)}
+    res = {'img_s': n/(t1-t0)}
     if mem: res.update(mem_peak_mb=max(mem), mem_steady_mb=statistics.median(mem[1:] or mem), mem_added_mb=max(mem)-m0)
     return res
 
@@ -311,7 +317,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         thr[k] = bench_loaders({k: lambda: dls_py.train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
         thr[k]['ratio'] = thr[k]['img_s']/thr[next(iter(L))]['img_s']
     res['throughput'] = thr
-    print(results_markdown(thr), flush=True)
+    print('\n' + results_markdown(thr), flush=True)  # on a line of its own, after the progress bar
     if gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     fit = {}
     for a in (archs if gpu else []):
@@ -358,7 +364,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
 
 # %% ../nbs/07_bench.ipynb #c026
 def cli(argv=None):
-    "`fastai-dali bench [PATH]` and `fastai-dali demo`"
+    "`fastai-dali bench [PATH]` and `fastai-dali demo`: console entry point, prints (`run_bench` returns the results), returns None"
     import argparse
     ap = argparse.ArgumentParser('fastai-dali')
     sub = ap.add_subparsers(dest='cmd', required=True)
@@ -377,6 +383,6 @@ def cli(argv=None):
         from fastai_dali.demo import main
         return main(rest)
     if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
-    return run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=tuple(int(w) for w in a.workers.split(',')), device=a.device,
-                     repeats=a.repeats, max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o),
-                     epochs=a.epochs, aug=not a.no_aug, mixed=not a.no_mixed)
+    run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=tuple(int(w) for w in a.workers.split(',')), device=a.device,
+              repeats=a.repeats, max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o),
+              epochs=a.epochs, aug=not a.no_aug, mixed=not a.no_mixed)

@@ -47,24 +47,60 @@ def loader_throughput(dl, max_batches=None, warmup=2):
     return time_loader(dl, max_batches=max_batches, warmup=warmup)['img_s']
 
 # %% ../nbs/06_demo.ipynb #c010
-def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None):
-    "Train `arch` for `epochs` on a generated folder with `DaliDataLoaders`; returns (accuracy, train img/s)"
+def _train_timer(warmup=2):
+    "A fastai callback: img/s of each epoch's training batches after the first `warmup` (model + data, no validation)"
+    from fastai.callback.core import Callback  # here, so that importing this module does not import fastai
+    class TrainRate(Callback):
+        order = 100  # after the other callbacks' `after_batch`
+        def __init__(self): self.n,self.t = 0,0.
+        def _start(self): _sync(); self.t0 = time.perf_counter()
+        def before_train(self):
+            self.i,self.t0 = 0,None
+            if warmup == 0: self._start()
+        def after_batch(self):
+            if not self.training: return
+            self.i += 1
+            if self.i == warmup: self._start()
+            elif self.i > warmup: self.n += len(self.xb[0])
+        def after_train(self):
+            if self.t0 is not None and self.i > warmup: _sync(); self.t += time.perf_counter()-self.t0
+        @property
+        def img_s(self): return self.n/self.t if self.n else None
+    return TrainRate()
+
+def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None, warmup=2):
+    "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
     from fastai.vision.all import vision_learner, accuracy, Resize, Normalize, imagenet_stats, models
     from fastai_dali.data import DaliDataLoaders
     if path is None: path = make_image_folder(Path(tempfile.mkdtemp())/'photos', n_train=n_train, n_valid=n_valid)
     dls = DaliDataLoaders.from_folder(path, item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=bs, device=device)
     learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy)
+    timer = _train_timer(warmup)
     t0 = time.perf_counter()
-    learn.fit_one_cycle(epochs, 1e-3)
+    learn.fit_one_cycle(epochs, 1e-3, cbs=timer)
     _sync()
-    train_ips = epochs*len(dls.train)*bs/(time.perf_counter()-t0)
-    acc = float(learn.validate()[1])
-    return acc, train_ips, dls
+    fit_s = time.perf_counter()-t0
+    with learn.no_bar(): acc = float(learn.validate()[1])
+    return dict(accuracy=acc, train_img_s=timer.img_s, timed_images=timer.n, fit_s=fit_s, epochs=epochs, warmup=warmup,
+                dls=dls)
 
 # %% ../nbs/06_demo.ipynb #c011
+def _report(r, loader_img_s=None):
+    "The demo's printed lines for `run_demo`'s results `r`"
+    dev = torch.device(r['dls'].device)
+    w = r['warmup']
+    train = (f"{r['train_img_s']:,.0f} img/s ({r['timed_images']} images, each epoch's first {w} batches left out as warm-up)"
+             if r['train_img_s'] else
+             f"not timed: no epoch has a batch after the first {w} (warm-up); use more images or a smaller --bs")
+    return '\n'.join([f"device: {dev}  DALI backend: {'GPU' if dev.type=='cuda' else 'CPU'}",
+        f"accuracy after {r['epochs']} epoch(s): {r['accuracy']:.3f}",
+        f"training, model + data: {train}",
+        *([f"loader alone: {loader_img_s:,.0f} img/s"] if loader_img_s else []),
+        f"whole fit: {r['fit_s']:.1f} s (start-up and validation included)"])
+
 def main(args=None):
-    "Console entry point: `fastai-dali-demo [--path PATH] [--size 64] [--bs 32] [--epochs 1] [--device cpu]`"
+    "Console entry point `fastai-dali-demo [--path PATH] [--size 64] [--bs 32] [--epochs 1] [--device cpu]`: prints, returns None"
     p = argparse.ArgumentParser(description="Train a small model on generated JPEGs with DaliDataLoaders")
     p.add_argument('--path', default=None, help="ImageNet-style folder (default: generate one from scikit-image photos)")
     p.add_argument('--n-train', type=int, default=60, help="generated images per class, train")
@@ -72,10 +108,8 @@ def main(args=None):
     p.add_argument('--size', type=int, default=64); p.add_argument('--bs', type=int, default=32)
     p.add_argument('--epochs', type=int, default=1); p.add_argument('--arch', default='resnet18')
     p.add_argument('--device', default=None, help="'cpu' forces DALI's CPU backend (default: the GPU if there is one)")
+    p.add_argument('--warmup', type=int, default=2, help="training batches per epoch left out of the img/s (start-up)")
     a = p.parse_args(args)
-    acc,ips,dls = run_demo(a.path, a.n_train, a.n_valid, a.size, a.bs, a.epochs, a.arch, a.device)
-    data_ips = loader_throughput(dls.train, warmup=1)
-    print(f"device: {dls.device}  DALI backend: {'GPU' if dls.device.type=='cuda' else 'CPU'}")
-    print(f"accuracy after {a.epochs} epoch(s): {acc:.3f}")
-    print(f"training: {ips:,.0f} img/s (model + data)   loader alone: {data_ips:,.0f} img/s")
-    return acc
+    r = run_demo(a.path, a.n_train, a.n_valid, a.size, a.bs, a.epochs, a.arch, a.device, a.warmup)
+    data_ips = loader_throughput(r['dls'].train, warmup=1) if len(r['dls'].train) > 1 else None
+    print(_report(r, data_ips))

@@ -1,0 +1,128 @@
+"""What a user runs first: the console commands `fastai-dali-demo` and `fastai-dali bench`, run as the installed
+scripts (exit status 0, results on stdout, nothing on stderr), the bench's loader timing next to `ImageDataLoaders`'
+worker processes, and `from fastai_dali.all import *` after `from fastai.vision.all import *`.
+
+Console scripts pass what their entry point returns to `sys.exit`: anything but None is exit status 1, printed to
+stderr. fastai's import warns that `torch.jit.script` is deprecated (torch >= 2.10): not ours, so filtered out.
+"""
+import ast, json, os, subprocess, sys, textwrap
+from configparser import ConfigParser
+from importlib import metadata
+from pathlib import Path
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
+CHILD = 'can only test a child process'
+
+def run_script(name, *args, cwd, timeout=300):
+    "Run the installed console script `name` with `args`"
+    exe = BIN/name
+    assert exe.exists(), f"{exe} is missing: install the package (pip install -e .) to get its console scripts"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=ENV)
+
+def _installed_with(keys=('requirements', 'dali_cuda120')):
+    "Distributions `pip install -e '.[cuda120]'` brings: settings.ini's `keys` and what they require, as installed here"
+    cfg = ConfigParser(delimiters=['=']); cfg.read(ROOT/'settings.ini', encoding='utf-8')
+    todo,seen = [Requirement(r).name for k in keys for r in cfg['DEFAULT'][k].split()],set()
+    while todo:
+        n = canonicalize_name(todo.pop())
+        if n in seen: continue
+        seen.add(n)
+        try: reqs = metadata.requires(n) or []
+        except metadata.PackageNotFoundError: continue
+        todo += [r.name for r in map(Requirement, reqs) if not r.marker or r.marker.evaluate({'extra': ''})]
+    return seen
+
+def test_plain_install_brings_every_import():
+    # the console commands import scikit-image (sample photos) at run time: it was in the dev extra only
+    mods = set()
+    for f in (ROOT/'fastai_dali').glob('*.py'):
+        for n in ast.walk(ast.parse(f.read_text(encoding='utf-8'))):
+            if isinstance(n, ast.Import): mods |= {a.name.split('.')[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module: mods.add(n.module.split('.')[0])
+    mods -= set(sys.stdlib_module_names) | {'fastai_dali'}
+    dists,have = metadata.packages_distributions(),_installed_with()
+    missing = {m: dists.get(m) for m in sorted(mods) if not have & {canonicalize_name(d) for d in dists.get(m, [])}}
+    assert 'skimage' in mods and missing == {}, f"imported by fastai_dali, not brought by its requirements: {missing}"
+
+def test_demo_command(tmp_path):
+    r = run_script('fastai-dali-demo', '--device', 'cpu', '--n-train', '8', '--n-valid', '4', '--size', '32', '--bs', '8',
+                   cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (0, ''), r.stderr[-3000:]
+    lines = r.stdout.splitlines()[-5:]
+    assert lines[0] == 'device: cpu  DALI backend: CPU', lines
+    assert lines[1].startswith('accuracy after 1 epoch(s): '), lines
+    # 4 classes x 8 images, bs 8: 4 batches, the first 2 warm up
+    assert lines[2].startswith('training, model + data: ') and ' img/s (16 images, ' in lines[2], lines
+    assert lines[3].startswith('loader alone: ') and lines[4].startswith('whole fit: '), lines
+
+def test_bench_command(tmp_path):
+    out = tmp_path/'out'
+    r = run_script('fastai-dali', 'bench', '--n', '50', '--device', 'cpu', '--bs', '4', '--size', '32', '--workers', '2',
+                   '--repeats', '1', '--max-batches', '2', '--archs', '', '--no-aug', '--no-mixed', '--out', str(out),
+                   cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (0, ''), r.stderr[-3000:]
+    assert '| ImageDataLoaders train (2 workers) |' in r.stdout and f'wrote {out}/bench.json' in r.stdout, r.stdout[-2000:]
+    assert sorted(p.name for p in out.glob('bench.*')) == ['bench.json', 'bench.md', 'bench.png']
+
+# An `ImageDataLoaders` pass that `time_loader` cuts short keeps its worker processes until its iterator is freed. On the
+# H200 (Python 3.12) fastai's pass outlived the timing, held by a reference cycle of frames, so the next loader's forked
+# workers inherited it, and a worker whose garbage collector freed it printed torch's `AssertionError: can only test a
+# child process`. Python 3.11 frees the pass at once, so here loader `a`'s passes are held by a cycle explicitly, and
+# loader `b`'s workers collect garbage on every item (what their periodic collections do, sooner or later).
+_TIMING = '''
+import gc, json, os, sys, tempfile
+from pathlib import Path
+from fastai.vision.all import ImageDataLoaders, Resize, Transform, PILImage
+from fastai_dali.demo import make_image_folder
+from fastai_dali.bench import bench_loaders
+
+class HeldByCycle:
+    "Passes of `dl`, each generator in a reference cycle: only the garbage collector frees an abandoned one"
+    def __init__(self, dl): self.dl = dl
+    def __iter__(self):
+        box = []
+        g = self._pass(box); box.append(g)
+        return g
+    def _pass(self, box): yield from self.dl
+
+class CollectInWorker(Transform):
+    "Collect garbage in the process that loads the item (a worker), and note that process"
+    def encodes(self, x:PILImage):
+        gc.collect()
+        with open(sys.argv[1], 'a') as f: f.write(f'{os.getpid()}\\n')
+        return x
+
+path = make_image_folder(Path(tempfile.mkdtemp())/'imgs', n_train=16, n_valid=4, min_size=32, max_size=64)
+a = ImageDataLoaders.from_folder(path, item_tfms=Resize(32), bs=4, device='cpu', num_workers=2)
+b = ImageDataLoaders.from_folder(path, item_tfms=[Resize(32), CollectInWorker()], bs=4, device='cpu', num_workers=2)
+open(sys.argv[1], 'w').close()
+gc.collect(); gc.disable()  # this process collects only when told to
+r = bench_loaders({'a': lambda: HeldByCycle(a.train), 'b': lambda: b.train}, max_batches=2, warmup=1, repeats=2,
+                  show_progress=False)
+print(json.dumps({'timed': sorted(r), 'pid': os.getpid()}))
+'''
+
+def test_bench_timing_leaves_no_worker_tracebacks(tmp_path):
+    script,pids = tmp_path/'timing.py',tmp_path/'pids.txt'
+    script.write_text(textwrap.dedent(_TIMING))
+    r = subprocess.run([sys.executable, str(script), str(pids)], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert CHILD not in r.stderr and 'Exception ignored' not in r.stderr, r.stderr[-3000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    assert res['timed'] == ['a', 'b'], res
+    workers = set(pids.read_text().split()) - {str(res['pid'])}
+    assert len(workers) >= 2, workers  # loader b's items were loaded, and garbage collected, in its worker processes
+
+def test_all_keeps_fastai_names():
+    import fastai.vision.all as fva, fastai.vision.augment as fa_aug, fastai_dali.all as fda
+    fastai_names = set(getattr(fva, '__all__', None) or (n for n in vars(fva) if not n.startswith('_')))
+    # a name in both must be the same object (a compatibility name exported only where fastai has none is fine)
+    assert [n for n in fda.__all__ if n in fastai_names and getattr(fda, n) is not getattr(fva, n)] == []
+    ns = {}
+    exec('from fastai.vision.all import *\nfrom fastai_dali.all import *', ns)
+    assert ns['affine_mat'] is fa_aug.affine_mat
