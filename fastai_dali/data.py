@@ -57,7 +57,7 @@ def _drop_unreadable(dblock, source):
     # and splits them as it splits all of them (an index or random splitter must not shift onto other items)
     pos,split = {o:n for n,o in enumerate(keep)},dblock.splitter(items)
     db.splitter = lambda _: [L(pos[i] for i in s if i in pos) for s in split]
-    names = src if isinstance(src, list) else [f'item {i} ({src.items[i]!r:.60})' for i in range(len(src))]
+    names = src if isinstance(src, list) else [src.name(i) for i in range(len(src))]
     skipped = [(names[i], why) for i,why in bad]
     lines = [f"  {f}: {why}" for f,why in skipped[:20]] + ([f"  ... and {len(skipped)-20} more"] if len(skipped) > 20 else [])
     warnings.warn(f"on_error='skip': left out {len(skipped)} of {len(items)} images that cannot be read (all in "

@@ -113,6 +113,10 @@ class PythonSource:
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
     def __init__(self, items, tfms, mode='RGB'): store_attr()
     def __len__(self): return len(self.items)
+    def name(self, i):
+        "How errors name item `i`: with its whole path when it is one"
+        o = self.items[i]
+        return f'item {i} ({o})' if isinstance(o, (str, Path)) else f'item {i} ({o!r:.60})'
     def encoded(self, i):
         "The encoded image `get_x` gives for item `i`"
         x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]
@@ -121,11 +125,11 @@ class PythonSource:
         x = self.encoded(i)
         if bytes(x[:3]) == b'\xff\xd8\xff':  # a JPEG cut short: nvJPEG would decode it without an error
             why = jpeg_problem(x)
-            if why: raise DaliReadError(_read_error_msg(f'item {i} ({self.items[i]!r:.60})', f'the JPEG is truncated ({why})'))
+            if why: raise DaliReadError(_read_error_msg(self.name(i), f'the JPEG is truncated ({why})'))
         if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
             try: x = pil_png(x, self.mode)
             except Exception as e:
-                raise DaliReadError(_read_error_msg(f'item {i} ({self.items[i]!r:.60})', f'{type(e).__name__}: {e}')) from None
+                raise DaliReadError(_read_error_msg(self.name(i), f'{type(e).__name__}: {e}')) from None
         return np.frombuffer(x, dtype=np.uint8)
 
 # %% ../nbs/03_loader.ipynb #c013
@@ -424,7 +428,7 @@ def _files_labels(self:DaliDL):
     key = id(self.dataset)
     if getattr(self, '_fl_key', None) != key:
         src = _x_sources(self.dataset)
-        names = src if isinstance(src, list) else [f'item {i} ({o!r:.60})' for i,o in enumerate(getattr(src, 'items', []))]
+        names = src if isinstance(src, list) else [] if src is None else [src.name(i) for i in range(len(src))]
         targets = None if src is None else _y_targets(self.dataset, names)
         if isinstance(src, list): src = dali_files(src, _pil_mode(self.dataset), self.num_threads)  # GIF, 16-bit...: PIL
         self._fl,self._fl_key,self._fl_names = (None if src is None else (src, targets)),key,names

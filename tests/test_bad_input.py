@@ -186,11 +186,10 @@ def test_exif_orientation_ignored(tmp_path, method, tol):
     assert mx <= tol[0] and mean <= tol[1], (mx, mean)
 
 # ------------------------------------------------------------------------------------------------ rejected, named
-_LENIENT = pytest.mark.xfail(DEVICE != 'cpu', strict=True, reason="nvJPEG on the GPU decodes a truncated JPEG without "
-                             "an error; on_error='skip' catches it up front (test_skip_unreadable)")
-
-@pytest.mark.parametrize('case,why', [('zero', 'empty'), pytest.param('truncated', 'truncated', marks=_LENIENT),
-                                      ('text', 'cannot identify'), ('gif_named_jpg', 'GIF')])
+# nvJPEG on the GPU decodes a truncated JPEG without an error (grey rows): the loader checks every JPEG's end-of-image
+# marker before DALI reads it, so the GPU names the file as the CPU backend and fastai do
+@pytest.mark.parametrize('case,why', [('zero', 'empty'), ('truncated', 'truncated'), ('text', 'cannot identify'),
+                                      ('gif_named_jpg', 'GIF')])
 def test_bad_jpeg_named_in_error(tmp_path, case, why):
     "A bad `.jpg` fails when DALI reaches it, with an error naming the file and saying why; again on the next try"
     root,(f,) = make_folder(tmp_path, [case])
@@ -330,3 +329,13 @@ def test_skip_keeps_index_split(tmp_path):
     with pytest.warns(UserWarning, match='left out 1'): dd = blk.dali_dataloaders(root, bs=2, device=DEVICE, on_error='skip')
     assert list(dd.valid.items) == [files[i] for i in valid_idx]
     assert sorted(dd.train.items, key=str) == [f for i,f in enumerate(files) if i not in valid_idx and f != bad]
+
+def test_truncated_jpeg_bytes_named(tmp_path):
+    "A truncated JPEG returned by a `get_x` (bytes, the Python-source path) is named too, on every backend"
+    from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, parent_label
+    root,(f,) = make_folder(tmp_path, ['truncated'])
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=lambda o: Path(o).read_bytes(),
+                       get_y=parent_label, splitter=GrandparentSplitter(), item_tfms=Resize(32))
+    dd = DaliDataLoaders.from_dblock(dblock, root, device=DEVICE, bs=2, py_workers=0)
+    with pytest.raises(Exception, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
+    assert f.name in str(ei.value), str(ei.value)
