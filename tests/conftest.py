@@ -5,6 +5,7 @@ bundled with scikit-image, 40..160 px on each side (so many aspect ratios), save
 Classes get items round-robin, so class sizes are uneven when `n` is not a multiple of the number of classes.
 """
 import os, warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault('MPLBACKEND', 'Agg')
@@ -64,6 +65,16 @@ def image_folder(tmp_path_factory):
 def folder30(image_folder):
     "30 train + 30 valid images in 3 classes: the folder for pixel parity and training"
     return image_folder(30, 30)
+
+def build_at_once(*dls, timeout=300):
+    """Build the DALI pipelines of loaders `dls` (one batch each), from one thread each, and wait for all.
+    A loader whose `get_x` runs in worker processes spawns them when its pipeline is built, and each worker imports
+    torch and fastai first: ~13 s on the H200, one loader after the other. Built at once, those spawns overlap.
+    Each loader is left in an abandoned epoch, which its next epoch ends (a Python source keeps its pipeline)"""
+    ex = ThreadPoolExecutor(len(dls))
+    try:
+        for f in [ex.submit(dl.one_batch) for dl in dls]: f.result(timeout)  # a hang: TimeoutError, a failure: its error
+    finally: ex.shutdown(wait=False)
 
 # Measured DALI-vs-fastai pixel differences, filled by test_parity.py and printed at the end of the run
 PARITY_STATS = {}

@@ -1,12 +1,16 @@
 """The mixed path: a `get_x` that returns encoded bytes (here: members of a zip archive) runs per sample in DALI's
 parallel `external_source` worker processes; decoding and transforms stay in DALI. Compared with fastai's own
-loaders on the same `DataBlock`."""
+loaders on the same `DataBlock`.
+
+Each build of a pipeline with worker processes spawns them, and each imports torch and fastai (~13 s on the H200), so
+the tests share one `DaliDataLoaders` (module fixture) whose train and valid pipelines are built at once, and reuse
+them (`get_preds(dl=dd.valid)`, the callback file of `dd.valid`)."""
 import gc, zipfile
 import pytest, torch
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
                                accuracy)
 from fastai_dali.data import ZipMember  # and DataBlock.dali_dataloaders
-from conftest import make_image_folder
+from conftest import make_image_folder, build_at_once
 from test_parity import DEVICE, plain
 
 def zip_names(p): return sorted(zipfile.ZipFile(p).namelist())
@@ -29,6 +33,7 @@ def block(zpath, **kw):
 def loaders(zipped):
     dd = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
     fd = block(zipped).dataloaders(zipped, bs=4, device='cpu', num_workers=0)
+    build_at_once(dd.train, dd.valid)
     yield dd, fd
     for dl in dd.loaders: dl._release()
     gc.collect()
@@ -69,8 +74,9 @@ def test_trains_a_few_steps(loaders):
     dd,_ = loaders
     learn = vision_learner(dd, resnet18, pretrained=False, metrics=accuracy)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
-    preds,targs = learn.get_preds()
+    preds,targs = learn.get_preds(dl=dd.valid)    # the built pipeline (`get_preds()` would build and spawn anew)
     assert len(preds) == len(dd.valid_ds)
+    assert torch.equal(plain(targs), torch.tensor([dd.vocab.o2i[label_of(n)] for n in dd.valid.items]))
 
 class OpenZip:
     def __init__(self, path): self.zf = zipfile.ZipFile(path)
@@ -82,14 +88,14 @@ def test_unpicklable_get_x_is_named(zipped):
     dls = bad.dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
     with pytest.raises(TypeError, match='picklable'): dls.train.one_batch()
 
-def test_worker_callback_file_removed(zipped):
+def test_worker_callback_file_removed(loaders):
     "The callback reaches the workers as a temp file (03_loader: they start at once); it goes with the pipeline"
     import os
     from fastai_dali.loader import EpochSource
-    dd = block(zipped).dali_dataloaders(zipped, bs=4, device=DEVICE, py_workers=2)
+    dd,_ = loaders
     assert sum(len(b[0]) for b in dd.valid) == len(dd.valid_ds)
     src = dd.valid._source
     assert isinstance(src, EpochSource) and src._fn is None   # read by the workers when they started, then deleted
     fn = src.__reduce__()[1][0]; assert os.path.exists(fn)    # pickled again: a new file, deleted with the source
-    del src; dd.valid._release(); gc.collect()
+    del src; dd.valid._release(); gc.collect()    # (a later test using `loaders` would build it again)
     assert not os.path.exists(fn)
