@@ -18,7 +18,7 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['exact_resize_crop', 'dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window',
-           'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
+           'crop_window', 'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
 
 # %% ../nbs/01_transforms.ipynb #c005
 _item_translations, _batch_translations = {}, {}
@@ -54,6 +54,11 @@ class DaliGraph:
         "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
         k = (id(tfm), key)
         if k not in self.rand: self.rand[k] = fn.random.uniform(range=[0.,1.])
+        return self.rand[k]
+    def cached(self, tfm, key, make):
+        "A DataNode built by `make()` once per graph for `tfm`, shared with the masks (e.g. a crop window)"
+        k = (id(tfm), key)
+        if k not in self.rand: self.rand[k] = make()
         return self.rand[k]
     def shape(self, img):
         "Shape of `img` (HWC) as a CPU DataNode"
@@ -137,8 +142,27 @@ def _np_crop_pad(img, win, mode='reflect'):
     pads = ((max(-y0,0), max(y0+h-H,0)), (max(-x0,0), max(x0+w-W,0)), (0,0))
     return np.ascontiguousarray(np.pad(img[max(y0,0):min(y0+h,H), max(x0,0):min(x0+w,W)], pads, mode=mode))
 
+# %% ../nbs/01_transforms.ipynb #c040
+_max_side = 65535  # `fn.lookup_table`'s largest key (and the largest side a JPEG can have)
+
+def _side_table(t):
+    "fastai's float64 `int(S/t*t)` for every side `S` up to `_max_side`, or None where it is always `S`"
+    S = np.arange(_max_side+1)
+    q = (S/t*t).astype(np.int64)
+    return None if (q == S).all() else q
+
+def crop_window(tfm, shape):
+    "fastai's `Resize` crop window `(ch, cw)` for images of `shape` (HWC, a CPU node), as a float CPU node"
+    w,h = tfm.size
+    # the whole area at the target's aspect ratio: DALI falls back to the largest window of that ratio (its random
+    # anchor is not used: `fn.crop` places the window)
+    _,win = fn.random_crop_generator(shape, random_area=[1.,1.], random_aspect_ratio=[w/h, w/h], num_attempts=1)
+    q = _side_table(w) if w == h else None
+    if q is None: return fn.cast(win, dtype=types.FLOAT)
+    return fn.lookup_table(win, keys=list(range(len(q))), values=q.astype(float).tolist())
+
 # %% ../nbs/01_transforms.ipynb #c022
-exact_resize_crop = False  # True: fastai's exact crop window via a ROI resize (slower on the GPU, see above)
+exact_resize_crop = False  # True: every Crop window from fastai's float64 arithmetic, in DALI arithmetic ops (slower)
 
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
 
@@ -148,13 +172,18 @@ def _resize(tfm, img, g):
     kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
     pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (0.5, 0.5)
     if tfm.method == ResizeMethod.Crop and not exact_resize_crop:
-        g.note(tfm, 'native', f'fn.resize to cover {h}x{w}, crop in crop_mirror_normalize')
-        g.out.crop = (h, w) + pos
-        return fn.resize(img, mode='not_smaller', **kw)
+        g.note(tfm, 'native', f'window from fn.random_crop_generator, fn.crop (truncated position), fn.resize to {h}x{w}')
+        win = g.cached(tfm, 'window', lambda: crop_window(tfm, g.shape(img)))
+        img = fn.crop(img, crop=win, crop_pos_y=pos[0], crop_pos_x=pos[1], rounding='truncate')
+        return fn.resize(img, **kw)
     H,W = g.hw(img)
     y0,x0,ch,cw = resize_window(tfm, H, W, pos)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
+        return fn.resize(img, **kw)
+    if tfm.method == ResizeMethod.Crop:
+        g.note(tfm, 'native', f'window in DALI arithmetic (exact_resize_crop), fn.slice, fn.resize to {h}x{w}')
+        img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW', normalized_anchor=False, normalized_shape=False)
         return fn.resize(img, **kw)
     if tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Zeros:
         g.note(tfm, 'native', 'fn.slice (pad with 0) + fn.resize')
@@ -165,7 +194,7 @@ def _resize(tfm, img, g):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
         img = fn.python_function(img, _f32(y0,x0,ch,cw), function=_np_crop_pad, output_layouts='HWC')
         return fn.resize(img, **kw)
-    # Crop (exact), and Pad with PadMode.Border: a ROI outside the image samples the clamped edge
+    # Pad with PadMode.Border: a ROI outside the image samples the clamped edge
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')
     return fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw)
 
@@ -264,3 +293,39 @@ class DaliPlan:
         rows += [('batch', type(t).__name__, 'native', d) for t,d in zip(self.fused, self.details)]
         rows += [('batch', type(t).__name__, 'fastai', 'fastai batch transform on the DALI output') for t in self.rest]
         return rows
+
+# %% ../nbs/01_transforms.ipynb #c044
+import fastai.vision.all as _fastai_all
+from fastai.data.transforms import DisplayedTransform
+from fastai.torch_core import to_device, to_cpu
+
+def _fastai_lacks(name):
+    "Whether fastai (`fastai.vision.all`) defines no `name`, so that this module may define and export it"
+    if hasattr(_fastai_all, name): return False
+    globals().setdefault('__all__', []).append(name)
+    return True
+
+# %% ../nbs/01_transforms.ipynb #c045
+def _old_div(d, default):
+    "Early fastai v2's boolean `div`/`div_mask` (True: divide by 255) as `IntToFloatTensor`'s divisor"
+    return (255. if d else 1.) if isinstance(d, bool) else ifnone(d, default)
+
+if _fastai_lacks('ByteToFloatTensor'):
+    class ByteToFloatTensor:
+        "Early fastai v2's name for `IntToFloatTensor`: makes one (uint8 batch to float divided by `div`)"
+        def __new__(cls, div=255., div_mask=1): return IntToFloatTensor(div=_old_div(div, 255.), div_mask=_old_div(div_mask, 1))
+
+# %% ../nbs/01_transforms.ipynb #c046
+if _fastai_lacks('Cuda'):
+    class Cuda(DisplayedTransform):
+        "Early fastai v2's batch transform: put the batch on `device` (default: its loader's device)"
+        order = 0  # before the batch transforms that need the batch on its device
+        def __init__(self, device=None): store_attr(); self.loader_device = None
+        def to(self, device): self.loader_device = device  # a fastai loader calls this when its device is set
+        def encodes(self, b): return to_device(b, ifnone(self.device, self.loader_device))
+        def decodes(self, b): return to_cpu(b)
+
+    @dali_batch_tfm(Cuda)
+    def _cuda(tfm, out):
+        # DALI's batches are already on the loader's device: nothing to do, unless `tfm` names another device
+        return tfm.device is None and "no-op: DALI's batches are on the loader's device"
