@@ -22,7 +22,7 @@ tail -4 $OUT/pytest_cuda_run$run.txt
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt
 case $extra in
 resize)
-  timeout 200 python3 scripts/profile_resize.py --device cuda --out $OUT/resize > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
+  timeout 240 python3 scripts/profile_resize.py $OUT/resize --device cuda --n 4000 > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
   tail -30 $OUT/resize.txt ;;
 commands)  # the console commands as a user runs them (entry points called as setuptools' scripts call them)
   { timeout 240 python3 -c "import sys; from fastai_dali.demo import main; sys.exit(main())" && echo "fastai-dali-demo: ok"; } > $OUT/demo.txt 2>&1
