@@ -16,7 +16,7 @@ run=${1:-1}; extra=${2:-none}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1
 t0=$(date +%s)
-timeout ${SUITE_TIMEOUT:-470} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=25 $xd tests > $OUT/pytest_cuda_run$run.txt 2>&1
+timeout ${SUITE_TIMEOUT:-470} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=25 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
 echo "rc $? wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
 tail -4 $OUT/pytest_cuda_run$run.txt
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt

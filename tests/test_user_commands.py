@@ -17,11 +17,23 @@ BIN = Path(sys.executable).parent
 ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
 CHILD = 'can only test a child process'
 
+def _entry_point(name):
+    "settings.ini's `module:function` for console script `name`"
+    cfg = ConfigParser(delimiters=['=']); cfg.read(ROOT/'settings.ini', encoding='utf-8')
+    return dict(o.split('=') for o in cfg['DEFAULT']['console_scripts'].split())[name]
+
 def run_script(name, *args, cwd, timeout=300):
-    "Run the installed console script `name` with `args`"
+    "Run console script `name` with `args`: the installed one, or (package not installed, e.g. imported from the source tree) its entry point as the script calls it"
     exe = BIN/name
-    assert exe.exists(), f"{exe} is missing: install the package (pip install -e .) to get its console scripts"
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=ENV)
+    try: metadata.version('fastai_dali'); installed = True
+    except metadata.PackageNotFoundError: installed = False
+    if installed or exe.exists():
+        assert exe.exists(), f"{exe} is missing: install the package (pip install -e .) to get its console scripts"
+        cmd = [str(exe)]
+    else:  # what setuptools' generated script does
+        mod,func = _entry_point(name).split(':')
+        cmd = [sys.executable, '-c', f'import sys; from {mod} import {func}; sys.exit({func}())']
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=ENV)
 
 def _installed_with(keys=('requirements', 'dali_cuda120')):
     "Distributions `pip install -e '.[cuda120]'` brings: settings.ini's `keys` and what they require, as installed here"
