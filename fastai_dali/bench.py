@@ -24,7 +24,9 @@ def _read_decode_resize(files, labels, size, shuffle):
     gpu = Pipeline.current().device_id is not None
     jpegs,y = fn.readers.file(files=[str(f) for f in files], labels=list(labels), shuffle_after_epoch=shuffle,
                               pad_last_batch=True, name='Reader')
-    img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB)
+    # chroma upsampled as libjpeg-turbo does, as DaliDL decodes (no cost in throughput on the H200)
+    kw = dict(jpeg_fancy_upsampling=True) if gpu else {}
+    img = fn.decoders.image(jpegs, device='mixed' if gpu else 'cpu', output_type=types.RGB, **kw)
     return fn.resize(img, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True), (y.gpu() if gpu else y)
 
 @pipeline_def

@@ -34,8 +34,12 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     # fastai's `PILImage.create` ignores the EXIF orientation: so does DALI (`adjust_orientation=False`)
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
     mixed = gpu and not plan.python
-    # `hw_decoder_load`: the share of each batch the GPU's hardware JPEG decoder takes (None: DALI's default, 0.65)
-    dkw = dict(hw_decoder_load=hw_decoder_load) if mixed and hw_decoder_load is not None else {}
+    # `hw_decoder_load`: the share of each batch the GPU's hardware JPEG decoder takes (None: DALI's default, 0.65).
+    # `jpeg_fancy_upsampling`: the GPU decoders interpolate chroma as libjpeg-turbo (PIL, DALI's CPU backend) does;
+    # without it a JPEG decoded on the GPU differs from fastai's by 0.45-1.2/255 on average (up to 46), with it by
+    # 0.000, at no cost in throughput (H200, docs/results/README.md, "Resize window")
+    dkw = dict(jpeg_fancy_upsampling=True) if mixed else {}
+    if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
     img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False, **dkw)
     g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False))
     img = plan(img, g)
