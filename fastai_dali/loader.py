@@ -111,7 +111,10 @@ def dali_files(files, mode='RGB', num_threads=None):
 # %% ../nbs/03_loader.ipynb #c012
 class PythonSource:
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
-    def __init__(self, items, tfms, mode='RGB'): store_attr()
+    def __init__(self, items, tfms, mode='RGB'):
+        store_attr()
+        from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
+        self.load_truncated = ImageFile.LOAD_TRUNCATED_IMAGES
     def __len__(self): return len(self.items)
     def name(self, i):
         "How errors name item `i`: with its whole path when it is one"
@@ -123,7 +126,7 @@ class PythonSource:
         return Path(x).read_bytes() if isinstance(x, (str, Path)) else x
     def __getitem__(self, i):
         x = self.encoded(i)
-        if bytes(x[:3]) == b'\xff\xd8\xff':  # a JPEG cut short: nvJPEG would decode it without an error
+        if bytes(x[:3]) == b'\xff\xd8\xff' and not self.load_truncated:  # a JPEG cut short: nvJPEG decodes it silently
             why = jpeg_problem(x)
             if why: raise DaliReadError(_read_error_msg(self.name(i), f'the JPEG is truncated ({why})'))
         if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
@@ -318,6 +321,8 @@ _PY_OPS = ('DLTensorPythonFunction', 'fn.python_function', 'fn.external_source',
 def dali_read_error(e, files, names=None):
     "A `DaliReadError` for DALI error `e`, naming the bad file among `files` (called `names` for the user) when there is one (`DaliPythonError` for user code)"
     msg = str(e)
+    ours = next((l for l in msg.splitlines() if 'DaliReadError: ' in l), None)
+    if ours: return DaliReadError(ours.split('DaliReadError: ', 1)[1])  # raised by our source, in a worker or here
     if any(k in msg for k in _PY_OPS):  # the message carries the user's traceback; no file to blame
         return DaliPythonError(f"your Python code raised inside the DALI pipeline: {_dali_reason(msg)}\n\n{msg}")
     f = _bad_file(msg, files, names)
@@ -381,6 +386,7 @@ class DaliDL(TfmdDL):
         if num_threads is None: num_threads = default_num_threads()
         if py_workers is None: py_workers = min(8, default_num_threads())
         if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")
+        self._seed_given = seed is not None  # several shards share a permutation only through a seed they were given
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
         self._dali,self._in_epoch,self._n_builds,self._source,self._epoch,self._order = None,False,0,None,0,None
@@ -388,8 +394,11 @@ class DaliDL(TfmdDL):
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
         cls = ifnone(cls, type(self))
+        given = kwargs.get('seed') is not None or self._seed_given
         if issubclass(cls, DaliDL): kwargs = merge({k:getattr(self,k) for k in self._dali_args}, kwargs)
-        return super().new(dataset, cls, **kwargs)
+        res = super().new(dataset, cls, **kwargs)
+        if isinstance(res, DaliDL): res._seed_given = given
+        return res
 
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
@@ -459,6 +468,13 @@ def augment_seed(seed, shard_id=0):
     "The DALI pipeline seed (random augmentations) of shard `shard_id` for a loader seed `seed`"
     return (seed*1_000_003 + shard_id*7_919) % (2**31-1)
 
+# %% ../nbs/03_loader.ipynb #c104
+@patch
+def _reader_seed(self:DaliDL, seed):
+    "The reader's permutation seed: every shard must draw the same permutation, so with several shards only a seed they were given, never advanced by rebuilds (which one shard may do alone); `None`: DALI's fixed one"
+    if self.num_shards == 1: return seed
+    return self.seed if self._seed_given else None
+
 # %% ../nbs/03_loader.ipynb #c103
 @patch
 def _check_jpeg_ends(self:DaliDL, files, names):
@@ -490,7 +506,7 @@ def _build(self:DaliDL):
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
-    self._check_jpeg_ends(files, names)
+    if isinstance(src, list): self._check_jpeg_ends(src, self._fl_names)  # all of them, whatever the order
     shard_id,num_shards = self.shard_id,self.num_shards
     mfiles = None if masks is None else [masks[i] for i in idxs]
     if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
@@ -501,7 +517,7 @@ def _build(self:DaliDL):
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
                            seed=augment_seed(seed, self.shard_id),
-                           prefetch_queue_depth=self.prefetch, reader_seed=seed, hw_decoder_load=self.hw_decoder_load,
+                           prefetch_queue_depth=self.prefetch, reader_seed=self._reader_seed(seed), hw_decoder_load=self.hw_decoder_load,
                            mask_files=mfiles, **kw)
     track_pipeline(pipe)
     # Always PARTIAL: DALI reads every shard to its end each epoch (DROP keeps shards in lock-step at the smallest one
@@ -556,7 +572,8 @@ def __iter__(self:DaliDL):
     self._in_epoch = True  # stays True if the consumer abandons the epoch: the next one ends it or rebuilds
     token = _Live(); self._live = weakref.ref(token)  # alive as long as this generator
     left = len(self)*self.bs if self.drop_last else self._shard_n()
-    if self._order is not None and self.num_shards == 1: left = min(left, len(self._order))
+    if self._order is not None and self.num_shards == 1:  # a replaced `get_idxs` may give fewer items
+        left = min(left, len(self._order)//self.bs*self.bs if self.drop_last else len(self._order))
     while True:
         try: d = next(it)
         except StopIteration: break
@@ -599,6 +616,7 @@ def dali_report(self:DaliDL):
     if self._files_labels() is None:
         return pd.DataFrame([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')],
                             columns=['stage', 'transform', 'how', 'detail'])
+    self._order = self._custom_order()
     if self._dali is None or self._dali[3] != self._signature(): self._build()
     _,plan,log,_,_ = self._dali
     return pd.DataFrame(plan.report(log), columns=['stage', 'transform', 'how', 'detail'])

@@ -22,12 +22,14 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
                     parallel=True, mask_files=None, reader_seed=0, hw_decoder_load=None):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
-    # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed` (a fixed permutation
-    # in every run): `shuffle_after_epoch_seed` makes the order follow the loader's seed, and gives a mask reader
-    # (and every shard) the same permutation
+    # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
+    # makes the order follow the loader's seed, the same for a mask reader (and for every shard given the same seed),
+    # instead of DALI's fixed permutation (which `reader_seed=None` keeps)
     rkw = dict(labels=list(labels), shuffle_after_epoch=shuffle, pad_last_batch=True, stick_to_shard=not shuffle,
-               shard_id=shard_id, num_shards=num_shards, seed=reader_seed)
-    if shuffle: rkw['shuffle_after_epoch_seed'] = reader_seed
+               shard_id=shard_id, num_shards=num_shards)
+    if reader_seed is not None:
+        rkw['seed'] = reader_seed
+        if shuffle: rkw['shuffle_after_epoch_seed'] = reader_seed
     if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
     else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
         jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])

@@ -337,5 +337,18 @@ def test_truncated_jpeg_bytes_named(tmp_path):
     dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=lambda o: Path(o).read_bytes(),
                        get_y=parent_label, splitter=GrandparentSplitter(), item_tfms=Resize(32))
     dd = DaliDataLoaders.from_dblock(dblock, root, device=DEVICE, bs=2, py_workers=0)
-    with pytest.raises(Exception, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
+    with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
     assert f.name in str(ei.value), str(ei.value)
+
+def test_truncated_found_after_show_batch_unique(tmp_path):
+    "The truncated-JPEG check covers every file of the dataset, whatever order the loader reads (one item, shown bs times)"
+    import itertools
+    root,(f,) = make_folder(tmp_path, ['truncated'])
+    dd = DaliDataLoaders.from_folder(root, device=DEVICE, bs=2, item_tfms=Resize(32))
+    good = next(i for i,o in enumerate(dd.valid.items) if Path(o) != f)  # a good image, shown bs times
+    old = dd.valid.get_idxs; dd.valid.get_idxs = lambda: itertools.repeat(good)
+    try:
+        with pytest.raises(DaliReadError, match='truncated'): run_with_timeout(dd.valid.one_batch)
+    finally: dd.valid.get_idxs = old
+    with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
+    assert str(f) in str(ei.value)

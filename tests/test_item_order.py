@@ -132,3 +132,29 @@ def test_masks_follow_shuffled_images(items):
         dls = DaliDataLoaders.from_dblock(dblock, None, device=DEVICE, num_threads=1, bs=4, seed=s)
         for x,m in dls.train:
             assert ids(x) == plain(m)[:, 0, 0].long().tolist()
+
+def test_dali_report_with_endless_get_idxs(items):
+    "`dali_report` builds the pipeline too: with an endless `get_idxs` it reads it lazily as iteration does"
+    dl = dls_of(items, bs=4).valid.new(get_idxs=lambda: Inf.zeros, shuffle=False)
+    rep = run_with_timeout(dl.dali_report, 60)
+    assert 'IntToFloatTensor' in list(rep['transform'])
+
+def test_short_custom_order_drop_last(items):
+    "A replaced `get_idxs` with fewer items on a drop_last loader: only full batches, as fastai gives"
+    dl = dls_of(items, bs=5).train
+    assert dl.drop_last
+    dl.get_idxs = lambda: [0, 1, 2, 4, 5, 6, 8]  # 7 items: one full batch
+    assert order(dl) == [[idx_of(dl.items[i]) for i in (0, 1, 2, 4, 5)]]
+
+@pytest.mark.parametrize('seed', [None, 11])
+def test_shards_share_the_permutation(items, seed):
+    "Shards shuffle one permutation between them, also when each loader draws its own seed (none given), and when one rebuilds alone"
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock(vocab=[str(i) for i in range(N)])), get_items=lambda _: items,
+                       get_y=lambda f: str(idx_of(f)), splitter=FuncSplitter(is_valid))
+    shards = [DaliDataLoaders.from_dblock(dblock, None, device=DEVICE, num_threads=1, bs=3, drop_last=False, seed=seed,
+                                          shard_id=s, num_shards=2) for s in range(2)]
+    shards[0].train.one_batch()  # an abandoned epoch: shard 0 rebuilds, shard 1 does not
+    train = sorted(idx_of(f) for f in items if not is_valid(f))
+    for _ in range(2):
+        got = [i for d in shards for b in order(d.train) for i in b]
+        assert sorted(got) == train, got
