@@ -477,11 +477,12 @@ def _reader_seed(self:DaliDL, seed):
 
 # %% ../nbs/03_loader.ipynb #c103
 @patch
-def _check_jpeg_ends(self:DaliDL, files, names):
-    "Raise a `DaliReadError` naming the first truncated JPEG among `files` (checked once per dataset)"
-    if not files or getattr(self, '_ends_ok', None) == id(self.dataset): return
-    bad = truncated_jpegs(files, self.num_threads)
-    if bad: raise DaliReadError(_read_error_msg(names[bad[0][0]], f"the JPEG is truncated ({bad[0][1]})"))
+def _check_jpeg_ends(self:DaliDL):
+    "Raise a `DaliReadError` naming the first truncated JPEG among the dataset's files, whatever the order read (once per dataset)"
+    src = self._files_labels()[0]
+    if not isinstance(src, list) or getattr(self, '_ends_ok', None) == id(self.dataset): return
+    bad = truncated_jpegs(src, self.num_threads)
+    if bad: raise DaliReadError(_read_error_msg(self._fl_names[bad[0][0]], f"the JPEG is truncated ({bad[0][1]})"))
     self._ends_ok = id(self.dataset)
 
 # %% ../nbs/03_loader.ipynb #c040
@@ -506,7 +507,7 @@ def _build(self:DaliDL):
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
-    if isinstance(src, list): self._check_jpeg_ends(src, self._fl_names)  # all of them, whatever the order
+    self._check_jpeg_ends()
     shard_id,num_shards = self.shard_id,self.num_shards
     mfiles = None if masks is None else [masks[i] for i in idxs]
     if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
