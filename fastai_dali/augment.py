@@ -26,12 +26,6 @@ def _coin(g, tfm, key, p):
     if p >= 1: return 1
     return fn.cast(g.uniform(tfm, key) < p, dtype=types.INT32)
 
-def _cached(g, tfm, key, make):
-    "A DataNode built once per graph and shared with the masks (e.g. a crop window or a warp matrix)"
-    k = (id(tfm), key)
-    if k not in g.rand: g.rand[k] = make()
-    return g.rand[k]
-
 def _valid_noop(tfm, img, g):
     g.note(tfm, 'native', 'nothing to do on the validation split (fastai applies it to training only)')
     return img
@@ -70,7 +64,7 @@ def _interp_mode(g): return types.INTERP_NN if g.is_mask else types.INTERP_LINEA
 def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.experimental.warp_perspective (exact pixel permutation), p={tfm.p}')
-    m,sz = _cached(g, tfm, 'mat', lambda: _params(DihedralParams(tfm.p), fn.random.uniform(range=[0.,1.], shape=[2]),
+    m,sz = g.cached(tfm, 'mat', lambda: _params(DihedralParams(tfm.p), fn.random.uniform(range=[0.,1.], shape=[2]),
                                                   g.shape(img), num_outputs=2))
     return fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
 
@@ -85,7 +79,7 @@ def _random_resized_crop(tfm, img, g):
         g.out.crop = (h, w, 0.5, 0.5)
         return fn.resize(img, size=[h+xtra, w+xtra], **kw)
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), fn.slice, fn.resize to {h}x{w}')
-    anchor,shape = _cached(g, tfm, 'window', lambda: fn.random_crop_generator(
+    anchor,shape = g.cached(tfm, 'window', lambda: fn.random_crop_generator(
         g.shape(img), random_area=[tfm.min_scale, tfm.max_scale], random_aspect_ratio=list(tfm.ratio)))
     img = fn.slice(img, anchor, shape, axes=[0,1])
     return fn.resize(img, size=[h,w], **kw)
@@ -236,7 +230,7 @@ def _affine(tfm, out):
         def make():
             u = fn.random.uniform(range=[0.,1.], shape=[max(AffineParams(tfm).n_draws, 1)])
             return _params(AffineParams(tfm, train=g.train), u, g.shape(img))
-        m = _cached(g, tfm, 'affine', make)
+        m = g.cached(tfm, 'affine', make)
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)
@@ -285,7 +279,7 @@ def _lighting(tfm, out):
     div = out.div
     def stage(img, g):
         p = LightingParams(fs, out.n_ch)
-        M,T = _cached(g, tfm, 'lighting', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]), num_outputs=2))
+        M,T = g.cached(tfm, 'lighting', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]), num_outputs=2))
         x = dmath.clamp(fn.cast(img, dtype=types.FLOAT) / div, 1e-7, 1-1e-7)
         l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
         return div / (1 + dmath.exp(-l))  # back in [0, div], as the output op expects
@@ -336,7 +330,7 @@ def _hsv(tfm, out):
     div = out.div
     def stage(img, g):
         p = HueParams(fs)
-        shift = _cached(g, tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
+        shift = g.cached(tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
         if img.device == 'gpu': shift = shift.gpu()
         return hue_shift(fn.cast(img, dtype=types.FLOAT) / div, shift) * div
     stage.train_only = True
@@ -377,7 +371,7 @@ def _random_erasing(tfm, out):
     def post(img, g):
         layout = 'CHW' if out.chw else 'HWC'  # known once the item translations ran (`ToTensor` sets it)
         p = ErasingParams(tfm, out.chw)
-        anchor,shape = _cached(g, tfm, 'erase', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]),
+        anchor,shape = g.cached(tfm, 'erase', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]),
                                                              img.shape(device='cpu'), num_outputs=2))
         keep = fn.erase(fn.reshape(img*0. + 1., layout=layout), anchor=anchor, shape=shape, axis_names='HW', fill_value=0)
         return img*keep + fn.random.normal(img)*(1.-keep)

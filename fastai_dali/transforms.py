@@ -52,9 +52,7 @@ class DaliGraph:
         if rand is None: self.rand = {}
     def uniform(self, tfm, key):
         "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
-        k = (id(tfm), key)
-        if k not in self.rand: self.rand[k] = fn.random.uniform(range=[0.,1.])
-        return self.rand[k]
+        return self.cached(tfm, key, lambda: fn.random.uniform(range=[0.,1.]))
     def cached(self, tfm, key, make):
         "A DataNode built by `make()` once per graph for `tfm`, shared with the masks (e.g. a crop window)"
         k = (id(tfm), key)
