@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, after .gpu/pN/take.sh installed DALI + fastai into /tmp/site (see ../shared/gpu/README.md).
 # Usage: bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | none;
-# PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`;
+# PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
+# or DIST=worksteal: tests handed out one at a time;
 # its wheels travel in .whl/). Runs the whole GPU suite in one go (FASTAI_DALI_TEST_DEVICE=cuda pytest -q tests), then
 # the extra measurements; every result goes to $OUT as it is produced.
 set -u
@@ -9,7 +10,7 @@ test -d /tmp/site || exit 3
 procs=${3:-1}; xd=""
 if [[ $procs -gt 1 ]]; then
   python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  xd="-n $procs --dist loadfile"
+  xd="-n $procs --dist ${DIST:-loadfile}"
 fi
 export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
 run=${1:-1}; extra=${2:-none}

@@ -3,9 +3,10 @@ scripts (exit status 0, results on stdout, nothing on stderr), the bench's loade
 worker processes, and `from fastai_dali.all import *` after `from fastai.vision.all import *`.
 
 Console scripts pass what their entry point returns to `sys.exit`: anything but None is exit status 1, printed to
-stderr. fastai's import warns that `torch.jit.script` is deprecated (torch >= 2.10): not ours, so filtered out.
+stderr. fastai's import warns that `torch.jit.script` is deprecated (torch >= 2.10): not ours, so filtered out; so are
+DALI's notices, on a machine with a GPU, that nvImageCodec's optional JPEG 2000 and TIFF libraries are not installed.
 """
-import ast, json, os, subprocess, sys, textwrap
+import ast, json, os, re, subprocess, sys, textwrap
 from configparser import ConfigParser
 from importlib import metadata
 from pathlib import Path
@@ -16,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
 CHILD = 'can only test a child process'
+_CODEC_NOTICE = re.compile(r'nvjpeg2k|nvjpeg2000|nvtiff', re.I)  # "Failed to load nvjpeg2k library! ...", etc.
+
+def not_dalis_codec_notices(stderr):
+    "`stderr` without DALI's notices that the optional JPEG 2000 / TIFF libraries are missing (an environment's, not ours)"
+    return ''.join(l for l in stderr.splitlines(keepends=True) if not _CODEC_NOTICE.search(l))
 
 def _entry_point(name):
     "settings.ini's `module:function` for console script `name`"
@@ -63,7 +69,7 @@ def test_plain_install_brings_every_import():
 def test_demo_command(tmp_path):
     r = run_script('fastai-dali-demo', '--device', 'cpu', '--n-train', '8', '--n-valid', '4', '--size', '32', '--bs', '8',
                    cwd=tmp_path)
-    assert (r.returncode, r.stderr) == (0, ''), r.stderr[-3000:]
+    assert (r.returncode, not_dalis_codec_notices(r.stderr)) == (0, ''), r.stderr[-3000:]
     lines = r.stdout.splitlines()[-5:]
     assert lines[0] == 'device: cpu  DALI backend: CPU', lines
     assert lines[1].startswith('accuracy after 1 epoch(s): '), lines
@@ -76,7 +82,7 @@ def test_bench_command(tmp_path):
     r = run_script('fastai-dali', 'bench', '--n', '50', '--device', 'cpu', '--bs', '4', '--size', '32', '--workers', '2',
                    '--repeats', '1', '--max-batches', '2', '--archs', '', '--no-aug', '--no-mixed', '--out', str(out),
                    cwd=tmp_path)
-    assert (r.returncode, r.stderr) == (0, ''), r.stderr[-3000:]
+    assert (r.returncode, not_dalis_codec_notices(r.stderr)) == (0, ''), r.stderr[-3000:]
     assert '| ImageDataLoaders train (2 workers) |' in r.stdout and f'wrote {out}/bench.json' in r.stdout, r.stdout[-2000:]
     assert sorted(p.name for p in out.glob('bench.*')) == ['bench.json', 'bench.md', 'bench.png']
 
