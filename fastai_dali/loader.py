@@ -376,9 +376,10 @@ def truncated_jpegs(files, num_threads=None):
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,exact_resize_crop'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0, **kwargs):
+                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0,
+                 exact_resize_crop:bool=False, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
@@ -454,13 +455,12 @@ def _targets_on(self:DaliDL, device):
 
 @patch
 def _plan(self:DaliDL):
-    return DaliPlan(self.after_item.fs, self.after_batch.fs, mode=_pil_mode(self.dataset))
+    return DaliPlan(self.after_item.fs, self.after_batch.fs, mode=_pil_mode(self.dataset), exact_resize_crop=self.exact_resize_crop)
 
 @patch
 def _signature(self:DaliDL):
-    import fastai_dali.transforms as T  # the graph also depends on this module setting
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
-            self.shuffle, self.drop_last, id(self.dataset), T.exact_resize_crop, self.num_threads, self.prefetch,
+            self.shuffle, self.drop_last, id(self.dataset), self.exact_resize_crop, self.num_threads, self.prefetch,
             self.hw_decoder_load, self.seed, self._order)
 
 # %% ../nbs/03_loader.ipynb #c039

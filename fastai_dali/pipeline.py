@@ -43,7 +43,8 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     dkw = dict(jpeg_fancy_upsampling=True) if mixed else {}
     if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
     img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False, **dkw)
-    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False))
+    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False),
+                  exact_resize_crop=plan.exact_resize_crop)
     img = plan(img, g)
     if log is not None: log.extend(g.log)
     if mask_files is None: return img, (y.gpu() if gpu else y)
@@ -51,7 +52,7 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
     m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
     m = plan.masks(m, DaliGraph(train=train, gpu=False, mode='L', decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), is_mask=True,
-                                rand=g.rand))
+                                rand=g.rand, exact_resize_crop=plan.exact_resize_crop))
     return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
 
 # %% ../nbs/02_pipeline.ipynb #c006

@@ -17,8 +17,8 @@ from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
 # %% auto #0
-__all__ = ['exact_resize_crop', 'dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window',
-           'crop_window', 'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
+__all__ = ['dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window', 'crop_window',
+           'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
 
 # %% ../nbs/01_transforms.ipynb #c005
 _item_translations, _batch_translations = {}, {}
@@ -47,7 +47,8 @@ def dali_batch_tfm(*tfm_types):
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation"
-    def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None):
+    def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None,
+                 exact_resize_crop=False):
         store_attr(); self.log = L()
         if rand is None: self.rand = {}
     def uniform(self, tfm, key):
@@ -160,8 +161,6 @@ def crop_window(tfm, shape):
     return fn.lookup_table(win, keys=list(range(len(q))), values=q.astype(float).tolist())
 
 # %% ../nbs/01_transforms.ipynb #c022
-exact_resize_crop = False  # True: every Crop window from fastai's float64 arithmetic, in DALI arithmetic ops (slower)
-
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
 
 @dali_item_tfm(Resize, python=_reflect_pad)
@@ -169,7 +168,7 @@ def _resize(tfm, img, g):
     w,h = tfm.size
     kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
     pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (0.5, 0.5)
-    if tfm.method == ResizeMethod.Crop and not exact_resize_crop:
+    if tfm.method == ResizeMethod.Crop and not g.exact_resize_crop:
         g.note(tfm, 'native', f'window from fn.random_crop_generator, fn.crop (truncated position), fn.resize to {h}x{w}')
         win = g.cached(tfm, 'window', lambda: crop_window(tfm, g.shape(img)))
         img = fn.crop(img, crop=win, crop_pos_y=pos[0], crop_pos_x=pos[1], rounding='truncate')
@@ -244,8 +243,8 @@ def _normalize(tfm, out):
 # %% ../nbs/01_transforms.ipynb #c032
 class DaliPlan:
     "Translation of `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
-    def __init__(self, item_tfms, batch_tfms, mode='RGB'):
-        self.mode = mode
+    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False):
+        self.mode,self.exact_resize_crop = mode,exact_resize_crop
         self.items = L((t, item_translation(t)) for t in item_tfms)
         self.python = any(f.python(t) for t,f in self.items)
         self.out = OutputSpec(1 if mode=='L' else 3)

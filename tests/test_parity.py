@@ -45,7 +45,6 @@ from fastai.vision.all import (ImageDataLoaders, Resize, ResizeMethod, PadMode, 
 from fastai.vision.learner import _add_norm
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliReadError
-import fastai_dali.transforms as dali_transforms
 
 from conftest import PARITY_STATS, CLASSES, make_image_folder, random_crop, save_jpeg
 
@@ -66,9 +65,9 @@ def epoch(dl):
 
 def cat(batches, i): return torch.cat([b[i] for b in batches]) if batches else torch.empty(0)
 
-def both(path, **kwargs):
-    "The DALI loaders and fastai's, built from the same folder with the same arguments"
-    dd = DaliDataLoaders.from_folder(path, device=DEVICE, **kwargs)
+def both(path, dali_kw=None, **kwargs):
+    "The DALI loaders (also given `dali_kw`) and fastai's, built from the same folder with the same arguments"
+    dd = DaliDataLoaders.from_folder(path, device=DEVICE, **(dali_kw or {}), **kwargs)
     fd = ImageDataLoaders.from_folder(path, device='cpu', num_workers=0, **copy.deepcopy(kwargs))  # own tfms: own device
     return dd, fd
 
@@ -201,7 +200,7 @@ def test_early_fastai_batch_tfm_names(folder30):
 # ------------------------------------------------------------------------------------------ 2. pixel parity
 METHODS = {
     'crop':           dict(method=ResizeMethod.Crop),
-    'crop_exact':     dict(method=ResizeMethod.Crop),   # with fastai_dali.transforms.exact_resize_crop = True
+    'crop_exact':     dict(method=ResizeMethod.Crop),   # with exact_resize_crop=True
     'squish':         dict(method=ResizeMethod.Squish),
     'pad_zeros':      dict(method=ResizeMethod.Pad, pad_mode=PadMode.Zeros),
     'pad_border':     dict(method=ResizeMethod.Pad, pad_mode=PadMode.Border),
@@ -229,11 +228,13 @@ SIZES = {'32': 32, '32x48': (32, 48)}
 @pytest.mark.parametrize('norm', [False, True], ids=['raw', 'normalize'])
 @pytest.mark.parametrize('size', list(SIZES))
 @pytest.mark.parametrize('method', list(METHODS))
-def test_pixel_parity(folder30, monkeypatch, method, size, norm):
-    if method == 'crop_exact': monkeypatch.setattr(dali_transforms, 'exact_resize_crop', True)
+def test_pixel_parity(folder30, method, size, norm):
     stats = imagenet_stats
     bt = [Normalize.from_stats(*stats, cuda=False)] if norm else None
-    dd,fd = both(folder30, item_tfms=Resize(SIZES[size], **METHODS[method]), batch_tfms=bt, bs=7)
+    dd,fd = both(folder30, dict(exact_resize_crop=method == 'crop_exact'), item_tfms=Resize(SIZES[size], **METHODS[method]),
+                 batch_tfms=bt, bs=7)
+    exact = 'window in DALI arithmetic (exact_resize_crop)' in dd.valid.dali_report().detail.tolist()[0]
+    assert exact == (method == 'crop_exact'), "exact_resize_crop reaches the Resize translation, and only when asked for"
     db,fb = epoch(dd.valid),epoch(fd.valid)
     x,f = cat(db, 0),cat(fb, 0)
     h,w = (SIZES[size],)*2 if isinstance(SIZES[size], int) else SIZES[size]
@@ -267,9 +268,8 @@ def rounding_folder(tmp_path_factory):
     return root
 
 @pytest.mark.parametrize('method', ['crop_exact', 'pad_zeros', 'pad_border', 'pad_reflection'])
-def test_window_rounding_like_fastai(rounding_folder, monkeypatch, method):
-    if method == 'crop_exact': monkeypatch.setattr(dali_transforms, 'exact_resize_crop', True)
-    dd,fd = both(rounding_folder, item_tfms=Resize((40, 56), **METHODS[method]), bs=8)
+def test_window_rounding_like_fastai(rounding_folder, method):
+    dd,fd = both(rounding_folder, dict(exact_resize_crop=method == 'crop_exact'), item_tfms=Resize((40, 56), **METHODS[method]), bs=8)
     x,f = cat(epoch(dd.valid), 0),cat(epoch(fd.valid), 0)
     per_img = ((x-f).abs()*255).flatten(1).mean(1)
     thr = 0.6 if DEVICE == 'cpu' else 1.8   # GPU: nvJPEG decodes differently (measured up to 1.28 on control shapes)
