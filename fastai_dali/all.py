@@ -10,9 +10,13 @@ from .core import *
 from .transforms import *
 from .augment import *
 from .pipeline import *
+from .formats import *
+from .errors import *
+from .items import *
+from .sources import *
 from .loader import *
 from .data import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, loader, data
-__all__ = [n for m in (core, transforms, augment, pipeline, loader, data) for n in m.__all__]
+from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, data
+__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, data) for n in m.__all__]

@@ -17,8 +17,9 @@ from fastai.data.transforms import get_image_files, parent_label, GrandparentSpl
 from fastai.vision.core import PILImage
 from fastai.vision.data import ImageBlock, ImageDataLoaders
 from .core import *
+from .errors import *
+from .items import *
 from .loader import *
-from .loader import _x_sources, _pil_problem, _read_error_msg
 
 # %% auto #0
 __all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']
@@ -39,10 +40,10 @@ def check_image_folder(path, folders=None):
 
 # %% ../nbs/04_data.ipynb #c007
 def _items_sources(dblock, source):
-    "`dblock`'s items of `source` and what DALI reads for each (see `_x_sources`), running only the x pipeline"
+    "`dblock`'s items of `source` and what DALI reads for each (see `x_sources`), running only the x pipeline"
     # the labels' setup (vocab) is not run here: it must wait for the items that are kept
     items = (dblock.get_items or noop)(source)
-    return items, _x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
+    return items, x_sources(TfmdLists(items, dblock._combine_type_tfms()[0], do_setup=False))
 
 def _drop_unreadable(dblock, source):
     "`dblock` without the items whose image fastai cannot load, and `[(file, reason)]` of those"
@@ -71,8 +72,8 @@ def _setup_error(e, dblock, source):
         items,src = _items_sources(dblock, source)
         f = src[(dblock.splitter or RandomSplitter())(items)[0][0]] if isinstance(src, list) else None
     except Exception: return None
-    why = None if f is None else _pil_problem(f)
-    return None if why is None else DaliReadError(_read_error_msg(f, f"fastai cannot read it ({why})"))
+    why = None if f is None else pil_problem(f)
+    return None if why is None else DaliReadError(read_error_msg(f, f"fastai cannot read it ({why})"))
 
 # %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
@@ -93,7 +94,7 @@ class DaliDataLoaders(DataLoaders):
         kwargs = {**dblock.dls_kwargs, **kwargs, 'verbose': False}
         dls = dsets.dataloaders(path=path, bs=bs, val_bs=val_bs, shuffle=shuffle, device=device, dl_type=DaliDL,
                                 after_item=dblock.item_tfms, after_batch=dblock.batch_tfms, **kwargs)
-        for dl in dls.loaders: dl._files_labels()  # label errors (a valid class missing from train) surface now
+        for dl in dls.loaders: dl.dali_inputs()  # label errors (a valid class missing from train) surface now
         res = cls(*dls.loaders, path=dls.path, device=dls.device)
         res.skipped = skipped
         return res

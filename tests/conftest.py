@@ -4,15 +4,41 @@ Everything is generated under pytest's tmp dir (nothing goes into git). Images a
 bundled with scikit-image, 40..160 px on each side (so many aspect ratios), saved by PIL as JPEG quality 90.
 Classes get items round-robin, so class sizes are uneven when `n` is not a multiple of the number of classes.
 """
-import os, warnings
+import os, threading, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault('MPLBACKEND', 'Agg')
 warnings.filterwarnings('ignore', message='.*torch.jit.script.*', category=FutureWarning)
 
-import numpy as np, pytest
+import numpy as np, pytest, torch
 from PIL import Image
+
+# The DALI side runs where FASTAI_DALI_TEST_DEVICE says: 'cpu' (CI, DALI's CPU backend) or 'cuda' (a GPU machine,
+# GPU JPEG decode); fastai's side always runs on the CPU. Batches are compared on the CPU.
+DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')
+# Same model, same image, loaded twice: on the GPU the JPEG decoder differs between batch sizes (nvJPEG's hardware
+# decoder takes batches, its CUDA decoder single images) and from the CPU's; measured on an H200 <= 0.0015
+PRED_ATOL = 1e-4 if DEVICE == 'cpu' else 5e-3
+
+def plain(t): return t.as_subclass(torch.Tensor).cpu() if isinstance(t, torch.Tensor) else t
+
+def epoch(dl):
+    "All batches of one epoch of `dl`, as plain tensors"
+    return [tuple(plain(o) for o in b) for b in dl]
+
+def run_with_timeout(fn, timeout=90):
+    "Run `fn()` in a thread: a hang fails the test instead of blocking the run"
+    res = {}
+    def _target():
+        try: res['value'] = fn()
+        except BaseException as e: res['error'] = e
+    t = threading.Thread(target=_target, daemon=True)
+    t.start(); t.join(timeout)
+    assert not t.is_alive(), f"no result and no error after {timeout}s: the loader hangs"
+    if 'error' in res: raise res['error']
+    return res.get('value')
+
 
 CLASSES = ('cat', 'dog', 'fish')
 _PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')

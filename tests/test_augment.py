@@ -19,7 +19,7 @@ from fastai.vision.all import (Resize, RandomResizedCrop, RandomCrop, CropPad, F
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL
 from fastai_dali.loader import augment_seed
-from test_parity import DEVICE, plain
+from conftest import DEVICE, plain
 
 N = 256  # samples per side
 
@@ -359,7 +359,7 @@ def test_untranslated_batch_tfms_run_as_fastai(square):
     r = dls.train.dali_report().set_index('transform').how
     assert r['IntToFloatTensor'] == 'native'
     assert r['RandomResizedCropGPU'] == r['Rotate'] == r['Normalize'] == r['Brightness'] == 'fastai'   # after the first fallback
-    assert [type(t).__name__ for t in dls.train._dali[1].rest] == ['RandomResizedCropGPU', 'Rotate', 'Brightness', 'Normalize']
+    assert [type(t).__name__ for t in dls.train.built.plan.rest] == ['RandomResizedCropGPU', 'Rotate', 'Brightness', 'Normalize']
     x,_ = dls.one_batch()
     assert x.shape == (8, 3, 48, 48) and type(x) == TensorImage and x.device.type == torch.device(DEVICE).type
 

@@ -37,10 +37,11 @@ from PIL import Image
 from fastai.vision.all import (ImageDataLoaders, DataBlock, ImageBlock, CategoryBlock, Resize, PILImage, PILImageBW,
                                 FuncSplitter, get_image_files, parent_label)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.loader import DaliReadError, dali_decodes, unreadable_images
+from fastai_dali.formats import dali_decodes
+from fastai_dali.errors import DaliReadError, unreadable_images
 
 from conftest import photos
-from test_parity import DEVICE, run_with_timeout, epoch, plain
+from conftest import DEVICE, run_with_timeout, epoch, plain
 
 DECODE_TOL = {'cpu': (0., 0.), 'cuda': (10., 0.1)}[DEVICE.split(':')[0]]    # (max, mean) |d| in 0..255 levels
 BATCH_TOL = {'cpu': (0., 0.), 'cuda': (24., 0.45)}[DEVICE.split(':')[0]]    # GPU: test_parity.py's squish bound
@@ -311,7 +312,7 @@ def test_converted_file_not_blamed(tmp_path):
 def test_same_file_converted_twice_at_once():
     "Repeated items that need PIL (e.g. an oversampled DataFrame): converted by several threads at once, no error"
     import tempfile
-    from fastai_dali.loader import dali_files
+    from fastai_dali.items import dali_files
     d = Path(tempfile.mkdtemp()); f = d/'a.gif'; Image.fromarray(photo()).save(f)
     for _ in range(5):
         with pytest.warns(UserWarning, match='decoded by PIL'): out = dali_files([f]*16, num_threads=8)

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from PIL import Image
 from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, FuncSplitter
 from fastai_dali.data import DaliDataLoaders
-from test_parity import DEVICE, plain
+from conftest import DEVICE, plain
 
 N_MAX = 1000
 

@@ -14,7 +14,7 @@ from PIL import Image
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, MaskBlock, FuncSplitter, FlipItem, Resize, Inf,
                                set_seed)
 from fastai_dali.data import DaliDataLoaders
-from test_parity import DEVICE, plain, run_with_timeout
+from conftest import DEVICE, plain, run_with_timeout
 
 N = 40
 

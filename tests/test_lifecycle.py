@@ -52,7 +52,7 @@ from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
 from fastai_dali.pipeline import _live_pipes
 
 from conftest import make_image_folder, build_at_once
-from test_parity import DEVICE, PRED_ATOL, plain, run_with_timeout
+from conftest import DEVICE, PRED_ATOL, plain, run_with_timeout
 
 CLS = ('a', 'b', 'c')
 N_TRAIN, N_VALID, BS = 43, 22, 6       # train: 7 batches (drop_last drops 1 item); valid: 6,6,6,4
@@ -233,7 +233,7 @@ def median(xs): return sorted(xs)[len(xs)//2]
 
 def pipes_of(*dls):
     "The DALI pipelines these loaders hold now"
-    return {id(p) for dl in dls if dl._dali is not None for p in dl._dali[0]._pipes}
+    return {id(dl.built.pipeline) for dl in dls if dl.built is not None}
 
 def resources(settle_to=None, wait=3.0, collect=True):
     """Threads, native threads, fds, child processes, live DALI pipelines, malloc'd memory and RSS (KB), after a
@@ -337,7 +337,7 @@ def test_abandoned_epochs_cycles(id_root, kind):
     # (one pipeline kept alive is ~6.5 MB here), unlike a pool that grows once
     assert median(steps) <= MALLOC_TOL_STEP, steps
     # a Python source ends an abandoned epoch early (EpochFlag) and keeps its pipeline and workers; readers rebuild
-    if kind != 'files': assert (dls.train._n_builds, dls.valid._n_builds) == (1, 1)
+    if kind != 'files': assert (dls.train.n_builds, dls.valid.n_builds) == (1, 1)
 
 def test_lr_find_then_fit(id_root):
     dls = id_loaders(id_root)
@@ -455,7 +455,7 @@ def test_20_epochs_nothing_accumulates(id_root):
         more = {k: (a[k], r[k]) for k in COUNTS if r[k] > a[k]}
         assert not more, f"epoch {i+5}, (at epoch 5, now): {more}"
     assert {id(p) for p in _live_pipes} - pre == pipes_of(dls.train, dls.valid)
-    assert (dls.train._n_builds, dls.valid._n_builds) == (1, 1)
+    assert (dls.train.n_builds, dls.valid.n_builds) == (1, 1)
     # ... Python objects of any type ...
     acc = accumulating(mem.census)
     assert not acc, acc

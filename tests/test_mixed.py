@@ -11,7 +11,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitte
                                accuracy)
 from fastai_dali.data import ZipMember  # and DataBlock.dali_dataloaders
 from conftest import make_image_folder, build_at_once
-from test_parity import DEVICE, plain
+from conftest import DEVICE, plain
 
 def zip_names(p): return sorted(zipfile.ZipFile(p).namelist())
 def label_of(n): return n.split('/')[1]
@@ -91,10 +91,10 @@ def test_unpicklable_get_x_is_named(zipped):
 def test_worker_callback_file_removed(loaders):
     "The callback reaches the workers as a temp file (03_loader: they start at once); it goes with the pipeline"
     import os
-    from fastai_dali.loader import EpochSource
+    from fastai_dali.sources import EpochSource
     dd,_ = loaders
     assert sum(len(b[0]) for b in dd.valid) == len(dd.valid_ds)
-    src = dd.valid._source
+    src = dd.valid.built.source
     assert isinstance(src, EpochSource) and src._fn is None   # read by the workers when they started, then deleted
     fn = src.__reduce__()[1][0]; assert os.path.exists(fn)    # pickled again: a new file, deleted with the source
     del src; dd.valid._release(); gc.collect()    # (a later test using `loaders` would build it again)

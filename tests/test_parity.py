@@ -46,23 +46,12 @@ from fastai.vision.learner import _add_norm
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliReadError
 
-from conftest import PARITY_STATS, CLASSES, make_image_folder, random_crop, save_jpeg
+from conftest import (PARITY_STATS, CLASSES, DEVICE, PRED_ATOL, make_image_folder, random_crop, save_jpeg, plain, epoch,
+                      run_with_timeout)
 
-# The DALI side runs where FASTAI_DALI_TEST_DEVICE says: 'cpu' (CI, DALI's CPU backend) or 'cuda' (a GPU machine,
-# GPU JPEG decode); fastai's side always runs on the CPU. Batches are compared on the CPU.
-DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')
-# Same model, same image, loaded twice: on the GPU the JPEG decoder differs between batch sizes (nvJPEG's hardware
-# decoder takes batches, its CUDA decoder single images) and from the CPU's; measured on an H200 <= 0.0015
-PRED_ATOL = 1e-4 if DEVICE == 'cpu' else 5e-3
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def plain(t): return t.as_subclass(torch.Tensor).cpu() if isinstance(t, torch.Tensor) else t
-
-def epoch(dl):
-    "All batches of one epoch of `dl`, as plain tensors"
-    return [tuple(plain(o) for o in b) for b in dl]
-
 def cat(batches, i): return torch.cat([b[i] for b in batches]) if batches else torch.empty(0)
 
 def both(path, dali_kw=None, **kwargs):
@@ -85,18 +74,6 @@ def match(x, ref, tol=25.0):
         second = d.topk(2, dim=1, largest=False).values[:, 1]
         assert (second > 1.5*best + 3).all(), f"ambiguous nearest neighbours: {best.tolist()} vs {second.tolist()}"
     return idx.tolist()
-
-def run_with_timeout(fn, timeout=90):
-    "Run `fn()` in a thread: a hang fails the test instead of blocking the run"
-    res = {}
-    def _target():
-        try: res['value'] = fn()
-        except BaseException as e: res['error'] = e
-    t = threading.Thread(target=_target, daemon=True)
-    t.start(); t.join(timeout)
-    assert not t.is_alive(), f"no result and no error after {timeout}s: the loader hangs"
-    if 'error' in res: raise res['error']
-    return res.get('value')
 
 def n_normalize(dl): return sum(isinstance(t, Normalize) for t in dl.after_batch.fs)
 
@@ -402,9 +379,9 @@ def test_copy_rebuilds_pipeline(trained):
     dl = trained['dd'].valid
     ref = epoch(dl)
     state = dl.__getstate__()
-    assert state['_dali'] is None and not state['_in_epoch']
+    assert state['_built'] is None
     dl2 = copy.copy(dl)
-    assert dl2._dali is None
+    assert dl2.built is None
     got = epoch(dl2)
     assert len(got) == len(ref) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a,b in zip(got, ref))
     assert all(torch.equal(a[0], b[0]) for a,b in zip(epoch(dl), ref))

@@ -11,7 +11,7 @@ from PIL import Image
 from fastai.vision.all import (DataBlock, ImageBlock, MaskBlock, GrandparentSplitter, get_image_files, Resize,
                                TensorImage, TensorMask, unet_learner, resnet18)
 import fastai_dali.data  # noqa: F401  (adds DataBlock.dali_dataloaders)
-from test_parity import DEVICE, plain
+from conftest import DEVICE, plain
 
 def make_boxes(root, n_train=16, n_valid=6, seed=0):
     rng = np.random.default_rng(seed)
