@@ -16,9 +16,9 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 # %% auto #0
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
-           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'memory_over_epochs',
-           'make_bench_dataset', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench', 'throughput_targets',
-           'cli', 'gpu_memory_mb', 'time_loader']
+           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'torch_loop_throughput',
+           'memory_over_epochs', 'make_bench_dataset', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench',
+           'throughput_targets', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -185,6 +185,21 @@ def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True):
     t = _TrainTimer()
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=t)
     return t.img_s
+
+def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=True, device='cuda'):
+    "Training img/s (last of `epochs`) of a plain PyTorch loop over `dl`: SGD, bf16 autocast, channels_last, no callbacks"
+    mf = torch.channels_last if channels_last else torch.contiguous_format
+    m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf)
+    opt,lf = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),torch.nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        _sync(); t0,n = time.perf_counter(),0
+        for x,y in dl:
+            x = x.as_subclass(torch.Tensor).contiguous(memory_format=mf)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                loss = lf(m(x), y.as_subclass(torch.Tensor).long())
+            opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
+        _sync(); ips = n/(time.perf_counter()-t0)
+    return ips
 
 # %% ../nbs/07_bench.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
@@ -358,7 +373,9 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
         fit[a] = {'model only (synthetic batches on the GPU)': fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs),
                   'DaliDataLoaders': fit_throughput(dls, arch, dls.c, epochs=epochs),
-                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs)}
+                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs),
+                  'plain PyTorch loop, synthetic batches': torch_loop_throughput(sdl, arch, dls.c, epochs=epochs, device=device),
+                  'plain PyTorch loop, DaliDataLoaders': torch_loop_throughput(dls.train, arch, dls.c, epochs=epochs, device=device)}
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
