@@ -9,14 +9,16 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
 from .pipeline import track_pipeline
-from .demo import _sync
+from .demo import _sync, _photos, gpu_memory_mb, time_loader, make_image_folder
 from fastcore.basics import noop
+_all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.demo`; the benchmark's names include it
 
 # %% auto #0
-__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'gpu_memory_mb', 'time_loader',
+__all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
-           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'memory_over_epochs',
-           'make_bench_dataset', 'run_bench', 'cli']
+           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'torch_loop_throughput',
+           'memory_over_epochs', 'make_bench_dataset', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench',
+           'throughput_targets', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -76,45 +78,10 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
     return img, y
 
 # %% ../nbs/07_bench.ipynb #c011
-import json, time, statistics, gc
-from contextlib import closing
+import json, time, statistics, gc, inspect
 from pathlib import Path
 import torch
 from fastprogress.fastprogress import progress_bar
-
-def gpu_memory_mb():
-    "Device memory in use on the current CUDA device by every allocator, in MiB (None without CUDA)"
-    if not torch.cuda.is_available(): return None
-    free,total = torch.cuda.mem_get_info()
-    return (total-free)/2**20
-
-def _epochs(dl, n_batches):
-    "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`); each epoch's iterator closed when left"
-    i = 0
-    while True:
-        empty,it = True,iter(dl)
-        try:
-            for b in it:
-                empty = False; yield b; i += 1
-                if n_batches and i >= n_batches: return
-        finally: getattr(it, 'close', noop)()  # a fastai loader's generator: its torch iterator stops its workers now
-        if empty or not n_batches: return
-
-def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
-    "Images/s over `max_batches` batches of `dl` (more epochs if needed) after `warmup`; device memory (MiB) every `mem_every` batches"
-    n,t0,mem,m0,total = 0,None,[],gpu_memory_mb(),max_batches and warmup+max_batches
-    with closing(_epochs(dl, total)) as batches:
-        for i,b in enumerate(batches):
-            if i == warmup: _sync(); t0 = time.perf_counter()
-            if i >= warmup: n += len(b[0])
-            if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
-            if total and i+1 == total: break  # the clock stops before the pass is closed (and its workers shut down)
-        _sync(); t1 = time.perf_counter()
-    gc.collect()  # no iterator of this loader left for the next loader's forked workers to inherit and collect
-    if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
-    res = {'img_s': n/(t1-t0)}
-    if mem: res.update(mem_peak_mb=max(mem), mem_steady_mb=statistics.median(mem[1:] or mem), mem_added_mb=max(mem)-m0)
-    return res
 
 # %% ../nbs/07_bench.ipynb #c012
 def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True):
@@ -219,6 +186,21 @@ def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True):
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=t)
     return t.img_s
 
+def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=True, device='cuda'):
+    "Training img/s (last of `epochs`) of a plain PyTorch loop over `dl`: SGD, bf16 autocast, channels_last, no callbacks"
+    mf = torch.channels_last if channels_last else torch.contiguous_format
+    m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf)
+    opt,lf = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),torch.nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        _sync(); t0,n = time.perf_counter(),0
+        for x,y in dl:
+            x = x.as_subclass(torch.Tensor).contiguous(memory_format=mf)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                loss = lf(m(x), y.as_subclass(torch.Tensor).long())
+            opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
+        _sync(); ips = n/(time.perf_counter()-t0)
+    return ips
+
 # %% ../nbs/07_bench.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
     "Device memory in use (MiB) after each of `epochs` passes over `dl` (empty without CUDA)"
@@ -230,38 +212,21 @@ def memory_over_epochs(dl, epochs=10):
     return res
 
 # %% ../nbs/07_bench.ipynb #c024
-import multiprocessing as mp
-import numpy as np
-from PIL import Image
-
-def _make_jpegs(args):
-    root,split,c,idxs,seed = args
-    from fastai_dali.demo import sample_photos
-    p,rng = sample_photos([c])[c],np.random.default_rng(seed)
-    (root/split/c).mkdir(parents=True, exist_ok=True)
-    H,W = p.shape[:2]
-    for i in idxs:
-        h,w = int(rng.integers(H//3, H+1)), int(rng.integers(W//3, W+1))
-        y,x = int(rng.integers(0, H-h+1)), int(rng.integers(0, W-w+1))
-        tw,th = int(rng.integers(300, 641)), int(rng.integers(240, 501))
-        Image.fromarray(p[y:y+h, x:x+w]).resize((tw,th), Image.BILINEAR).save(root/split/c/f'{c}_{i:06d}.jpg', quality=90)
-
-def make_bench_dataset(root, n=10000, classes=('astronaut','coffee','chelsea','rocket','immunohistochemistry'),
-                       valid_frac=0.2, procs=None):
-    "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px cut from scikit-image photos (reused if there)"
+def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs=None):
+    "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px from `make_image_folder` (reused if there)"
     root = Path(root)
     if (root/'done').exists(): return root
-    procs,per = procs or max(1, min(16, default_num_threads())),n//len(classes)
-    nv,jobs = int(per*valid_frac),[]
-    for k,c in enumerate(classes):
-        for split,r in (('train', range(per-nv)), ('valid', range(per-nv, per))):
-            jobs += [(root, split, c, list(ch), 1000*k+j+(0 if split=='train' else 500))
-                     for j,ch in enumerate(np.array_split(np.array(list(r)), procs)) if len(ch)]
-    with mp.get_context('fork').Pool(procs) as pool: pool.map(_make_jpegs, jobs)
+    per = n//len(classes); nv = int(per*valid_frac)
+    make_image_folder(root, per-nv, nv, classes, out_size=((300,640), (240,500)),
+                      procs=procs or max(1, min(16, default_num_threads())))
     (root/'done').touch()
     return root
 
 # %% ../nbs/07_bench.ipynb #c025
+SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'memory', 'resize', 'parity')
+DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
+_RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
+
 def _read_bytes(f): return Path(f).read_bytes()
 
 def _target(res, name, value, goal, why=''):
@@ -269,13 +234,75 @@ def _target(res, name, value, goal, why=''):
     res.append({'target': name, 'value': round(value, 3), 'goal': goal, 'met': bool(ok)})
     print(f"{'MET ' if ok else 'MISS'} {name}: {value:.2f} (goal >= {goal}){' ' + why if why and not ok else ''}")
 
+def _exact_kw():
+    "`exact_resize_crop=True` where the loaders take it as a keyword, else None (that row is left out)"
+    from fastai_dali.loader import DaliDL
+    return dict(exact_resize_crop=True) if 'exact_resize_crop' in inspect.signature(DaliDL.__init__).parameters else None
+
+def augment_steps():
+    "One augmentation at a time, as `(item_tfms, batch_tfms)` before `Normalize`: where `aug_transforms()`' time goes"
+    from fastai.vision.all import (Resize, aug_transforms, Flip, Rotate, Warp, Brightness, Contrast, Saturation, Hue,
+                                   RandomErasing, RandomResizedCrop, FlipItem)
+    return {'Resize + Normalize (no augmentation)': (lambda s: Resize(s), []),
+            'FlipItem (item)': (lambda s: [FlipItem(), Resize(s)], []),
+            'Flip (batch, one warp)': (lambda s: Resize(s), [Flip()]),
+            'Rotate': (lambda s: Resize(s), [Rotate()]), 'Warp': (lambda s: Resize(s), [Warp()]),
+            'Brightness + Contrast': (lambda s: Resize(s), [Brightness(), Contrast()]),
+            'Saturation': (lambda s: Resize(s), [Saturation()]), 'Hue': (lambda s: Resize(s), [Hue()]),
+            'RandomErasing (after Normalize)': (lambda s: Resize(s), [RandomErasing()]),
+            'aug_transforms()': (lambda s: Resize(s), aug_transforms()),
+            'RandomResizedCrop only': (lambda s: RandomResizedCrop(s, min_scale=0.35), [])}
+
+def pixel_parity(root, size=224, device=None, bs=16):
+    "Valid batches of `DaliDataLoaders` against `ImageDataLoaders`' on `root`, per resize method: |Δ| in 0-255 levels"
+    from fastai.vision.all import ImageDataLoaders, Resize, ResizeMethod, PadMode
+    from fastai_dali.data import DaliDataLoaders
+    ex = _exact_kw()
+    cases = {'Crop (default)': (Resize(size), {}), **({'Crop, exact_resize_crop=True': (Resize(size), ex)} if ex else {}),
+             'Squish': (Resize(size, method=ResizeMethod.Squish), {}),
+             **{f'Pad, {m}': (Resize(size, method=ResizeMethod.Pad, pad_mode=m), {}) for m in (PadMode.Zeros, PadMode.Border, PadMode.Reflection)}}
+    res = {}
+    for name,(tfm,kw) in cases.items():
+        dls = DaliDataLoaders.from_folder(root, item_tfms=tfm, bs=bs, device=device, **kw)
+        fdls = ImageDataLoaders.from_folder(root, item_tfms=tfm, bs=bs, device=device, num_workers=0)
+        assert list(dls.valid.items) == list(fdls.valid.items)
+        dx,fx = (torch.cat([x.float().cpu() for x,_ in o.valid]) for o in (dls, fdls))
+        dd = ((dx-fx).abs()*255).flatten()
+        res[name] = {'mean': float(dd.mean()), 'p99': float(dd.kthvalue(max(1, int(0.99*dd.numel()))).values),
+                     'max': float(dd.max()), 'n': len(dx), 'how': dls.valid.dali_report().how.tolist()}
+        print(name, {k: round(v, 2) for k,v in res[name].items() if k in ('mean','p99','max')}, flush=True)
+    return res
+
+def mixed_workers(root, py_workers, bs=128, size=224, device=None, repeats=3, warmup=3):
+    "Mixed sources (`get_x` -> bytes) per worker count: start-up (build + first batch, s) and whole-epoch img/s"
+    from fastai.vision.all import (Resize, Normalize, imagenet_stats, parent_label, DataBlock, ImageBlock, CategoryBlock,
+                                   GrandparentSplitter, get_image_files)
+    res = {}
+    for w in py_workers:
+        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+                        splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats))
+        t0 = time.perf_counter(); dl = blk.dali_dataloaders(root, bs=bs, device=device, py_workers=w).train
+        next(iter(dl)); t = time.perf_counter()-t0
+        r = bench_loaders({w: lambda: dl}, repeats=repeats, warmup=warmup, show_progress=False)[w]
+        res[w] = dict(startup_s=t, img_s=r['img_s'], runs=r['runs'])
+        print(f'py_workers={w}', {k: round(v, 1) for k,v in res[w].items() if k != 'runs'}, flush=True)
+        del dl; gc.collect()
+    return res
+
+# %% ../nbs/07_bench.ipynb #c030
 def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=None, repeats=3, max_batches=60,
-              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=2, aug=True, mixed=True, mem_epochs=10, warmup=3):
-    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run; write bench.{json,md,png} to `out`"
+              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=2, aug=True, mixed=True, mem_epochs=10, warmup=3,
+              sections=DEFAULT_SECTIONS, py_workers=(4,8,16), parity_n=150):
+    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`"
     from fastai.vision.all import (ImageDataLoaders, Resize, Normalize, imagenet_stats, aug_transforms, parent_label,
-                                   DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files, models)
+                                   DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files, models,
+                                   RandomResizedCrop)
     import fastai, nvidia.dali, platform
     from fastai_dali.data import DaliDataLoaders
+    S = set(SECTIONS if sections in ('all', ['all'], ('all',)) else sections)
+    if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+    if not aug: S -= {'augment', 'augment-steps'}
+    if not mixed: S -= {'mixed', 'mixed-workers'}
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if device is None: device = 'cuda' if torch.cuda.is_available() and dali_cuda_count() else 'cpu'
     gpu = device != 'cpu'
@@ -284,85 +311,128 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
                        'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
                        'torch': torch.__version__, 'python': platform.python_version()},
            'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), device=device, repeats=repeats,
-                            max_batches=max_batches)}
+                            max_batches=max_batches, sections=[s for s in SECTIONS if s in S])}
     print(res['machine'], flush=True)
     norm = Normalize.from_stats(*imagenet_stats)
     kw = dict(item_tfms=Resize(size), batch_tfms=norm, bs=bs, device=device)
     dls = DaliDataLoaders.from_folder(root, **kw)
     files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
     W = max(workers)
-    L = {'raw DALI (hand-written: decode, resize, crop, normalize)':
-             lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)}
-    L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
-    if gpu: L['decode only (DALI, hw_decoder_load=1.0)'] = lambda: decode_only_loader(files, bs=bs, device=device, hw_decoder_load=1.0)
-    L['DaliDataLoaders train'] = lambda: dls.train
-    L['DaliDataLoaders valid'] = lambda: dls.valid
-    if gpu:  # our default gives the hardware JPEG decoder every image (1.0); DALI's own default is 0.65
-        dls_hw = DaliDataLoaders.from_folder(root, **kw, hw_decoder_load=0.65)
-        L['DaliDataLoaders train, hw_decoder_load=0.65'] = lambda: dls_hw.train
-    if mixed:
+    L = {_RAW: lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)}
+    if 'throughput' in S:
+        L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
+        if gpu: L['decode only (DALI, hw_decoder_load=1.0)'] = lambda: decode_only_loader(files, bs=bs, device=device, hw_decoder_load=1.0)
+    if S & {'throughput', 'training'}:  # the training section's loaders are timed too (its serial bound uses this row)
+        L['DaliDataLoaders train'] = lambda: dls.train
+    if 'throughput' in S:
+        L['DaliDataLoaders valid'] = lambda: dls.valid
+        if gpu:  # our default gives the hardware JPEG decoder every image (1.0); DALI's own default is 0.65
+            dls_hw = DaliDataLoaders.from_folder(root, **kw, hw_decoder_load=0.65)
+            L['DaliDataLoaders train, hw_decoder_load=0.65'] = lambda: dls_hw.train
+    if 'resize' in S:
+        dls_sq = DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': Resize(size, method='squish')})
+        L['DaliDataLoaders train, Resize squish'] = lambda: dls_sq.train
+        if ex := _exact_kw():
+            dls_ex = DaliDataLoaders.from_folder(root, **kw, **ex)
+            L['DaliDataLoaders valid, exact_resize_crop=True'] = lambda: dls_ex.valid
+    if 'mixed' in S:
         dls_py = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
                            splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
-    if aug:
+    if 'augment' in S:
         augs = [*aug_transforms(), norm]
         dls_aug = DaliDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device)
+        dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35), batch_tfms=augs, bs=bs, device=device)
         L['raw DALI aug (hand-written)'] = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True, pipeline=raw_dali_aug_pipeline)
         L['DaliDataLoaders train + aug_transforms()'] = lambda: dls_aug.train
-    idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers}
-    for w in workers: L[f'ImageDataLoaders train ({w} workers)'] = (lambda d: lambda: d.train)(idls[w])
-    if aug:
+        L['DaliDataLoaders train, RandomResizedCrop + aug_transforms()'] = lambda: dls_rrc.train
+    idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
+    if 'throughput' in S:
+        for w in workers: L[f'ImageDataLoaders train ({w} workers)'] = (lambda d: lambda: d.train)(idls[w])
+    if 'augment' in S:
         idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
         L[f'ImageDataLoaders train + aug_transforms() ({W} workers)'] = lambda: idl_aug.train
     thr = bench_loaders(L, max_batches=max_batches, repeats=repeats, warmup=warmup)
-    if mixed:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
+    if 'mixed' in S:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
         k = 'DaliDataLoaders train, get_x -> bytes (external_source)'
         thr[k] = bench_loaders({k: lambda: dls_py.train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
-        thr[k]['ratio'] = thr[k]['img_s']/thr[next(iter(L))]['img_s']
+        thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
     res['throughput'] = thr
     print('\n' + results_markdown(thr), flush=True)  # on a line of its own, after the progress bar
-    if gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
+    if 'augment-steps' in S:
+        A = {k: (lambda d: lambda: d.train)(DaliDataLoaders.from_folder(root, item_tfms=it(size), batch_tfms=[*bt, norm], bs=bs, device=device))
+             for k,(it,bt) in augment_steps().items()}
+        res['augment_steps'] = bench_loaders(A, max_batches=max_batches, repeats=repeats, warmup=warmup, show_progress=False)
+        print('\n' + results_markdown(res['augment_steps']), flush=True)
+    if 'mixed-workers' in S: res['mixed_workers'] = mixed_workers(root, py_workers, bs=bs, size=size, device=device,
+                                                                  repeats=repeats, warmup=warmup)
+    if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
+    if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     fit = {}
-    for a in (archs if gpu else []):
+    for a in (archs if gpu and 'training' in S else []):
         arch = getattr(models, a)
         sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
         fit[a] = {'model only (synthetic batches on the GPU)': fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs),
                   'DaliDataLoaders': fit_throughput(dls, arch, dls.c, epochs=epochs),
-                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs)}
+                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs),
+                  'plain PyTorch loop, synthetic batches': torch_loop_throughput(sdl, arch, dls.c, epochs=epochs, device=device),
+                  'plain PyTorch loop, DaliDataLoaders': torch_loop_throughput(dls.train, arch, dls.c, epochs=epochs, device=device)}
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
     res['fit_img_s'] = fit
-    # targets (issue 5), from the ratios of this run
-    t,raw,idl = [],thr['raw DALI (hand-written: decode, resize, crop, normalize)']['img_s'],thr[f'ImageDataLoaders train ({W} workers)']['img_s']
-    dec = max(v['img_s'] for k,v in thr.items() if k.startswith('decode only'))
+    res['targets'] = t = throughput_targets(res, gpu, W)
+    _write_results(res, out, mem_epochs)
+    return res
+
+# %% ../nbs/07_bench.ipynb #c031
+def throughput_targets(res, gpu, W):
+    "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has"
+    t,thr = [],res['throughput']
+    g = lambda k: thr[k]['img_s'] if k in thr else None
+    raw,idl = g(_RAW),g(f'ImageDataLoaders train ({W} workers)')
+    dec = max((v['img_s'] for k,v in thr.items() if k.startswith('decode only')), default=None)
     for split in ('train', 'valid'):
-        v = thr[f'DaliDataLoaders {split}']['img_s']
-        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95 if gpu else 0.9)   # issue 5's GPU and CPU goals
-        if gpu:
-            _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
-            _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12, 'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl))
-        else: _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 2.0)
-    if mixed: _target(t, 'external_source (get_x -> bytes) / raw DALI', thr['DaliDataLoaders train, get_x -> bytes (external_source)']['img_s']/raw, 0.9)
-    if 'resnet18' in fit:
-        f = fit['resnet18']
+        if (v := g(f'DaliDataLoaders {split}')) is None: continue
+        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95 if gpu else 0.9)
+        if gpu and dec: _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
+        if idl and gpu:
+            _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12,
+                    'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl) if dec else '')
+        elif idl: _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 2.0)
+    if (v := g('DaliDataLoaders train, get_x -> bytes (external_source)')) is not None:
+        _target(t, 'external_source (get_x -> bytes) / raw DALI', v/raw, 0.9)
+    if 'resnet18' in res['fit_img_s']:
+        f = res['fit_img_s']['resnet18']
         _target(t, 'learn.fit resnet18: DaliDataLoaders / model-only', f['DaliDataLoaders']/f['model only (synthetic batches on the GPU)'], 0.85)
         _target(t, 'learn.fit resnet18: DaliDataLoaders / ImageDataLoaders', f['DaliDataLoaders']/f[f'ImageDataLoaders ({W} workers)'], 5)
-    if res.get('memory_over_epochs_mb'):
-        m = res['memory_over_epochs_mb']
+    if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
-    res['targets'] = t
+    return t
+
+def _write_results(res, out, mem_epochs):
+    "bench.json, bench.md and bench.png in `out`"
+    s,thr = res['settings'],res['throughput']
     (out/'bench.json').write_text(json.dumps(res, indent=2))
-    md = [f"# fastai_dali bench: {res['machine']['device']}", '', '```', json.dumps(res['machine']), json.dumps(res['settings']), '```', '',
-          results_markdown(thr, f'Loaders, bs {bs}, {size} px (ratio to the hand-written DALI pipeline: first row)')]
+    md = [f"# fastai_dali bench: {res['machine']['device']}", '', '```', json.dumps(res['machine']), json.dumps(s), '```', '',
+          results_markdown(thr, f"Loaders, bs {s['bs']}, {s['size']} px (ratio to the hand-written DALI pipeline: first row)")]
+    if 'augment_steps' in res:
+        md += ['', results_markdown(res['augment_steps'], 'One augmentation at a time, DaliDataLoaders train (ratio to the first row)')]
+    if 'mixed_workers' in res:
+        md += ['', '### Mixed sources per worker count (get_x -> bytes, whole epochs)', '',
+               '| py_workers | start-up s | img/s | ratio to hand-written DALI |', '|---:|---:|---:|---:|']
+        md += [f"| {w} | {r['startup_s']:.1f} | {r['img_s']:,.0f} | {r['img_s']/thr[_RAW]['img_s']:.2f} |" for w,r in res['mixed_workers'].items()]
+    if 'parity' in res:
+        md += ['', '### Pixel parity, valid batches against ImageDataLoaders (|Δ| in 0-255 levels)', '',
+               '| resize | mean | p99 | max | images |', '|---|---:|---:|---:|---:|']
+        md += [f"| {k} | {v['mean']:.2f} | {v['p99']:.0f} | {v['max']:.0f} | {v['n']} |" for k,v in res['parity'].items()]
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
-    for a,f in fit.items():
+    for a,f in res['fit_img_s'].items():
         md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s', '', '| data | img/s |', '|---|---:|']
         md += [f'| {k} | {v:,.0f} |' for k,v in f.items()]
-    md += ['', '### Targets', '', '| target | value | goal | met |', '|---|---:|---:|---|'] + [f"| {o['target']} | {o['value']:.2f} | {o['goal']} | {'yes' if o['met'] else 'NO'} |" for o in t]
+    md += ['', '### Throughput targets', '', '| target | value | goal | met |', '|---|---:|---:|---|'] + [f"| {o['target']} | {o['value']:.2f} | {o['goal']} | {'yes' if o['met'] else 'NO'} |" for o in res['targets']]
     (out/'bench.md').write_text('\n'.join(md)+'\n')
-    bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {bs}, {size} px")
+    bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {s['bs']}, {s['size']} px")
     print(f'wrote {out}/bench.json, bench.md, bench.png')
-    return res
 
 # %% ../nbs/07_bench.ipynb #c026
 def cli(argv=None):
@@ -372,12 +442,17 @@ def cli(argv=None):
     sub = ap.add_subparsers(dest='cmd', required=True)
     b = sub.add_parser('bench', help='time DALI, DaliDataLoaders and ImageDataLoaders on one dataset, in one run')
     b.add_argument('path', nargs='?', help='an ImageNet-style folder (train/, valid/); default: generate --n JPEGs')
+    b.add_argument('--sections', default=','.join(DEFAULT_SECTIONS),
+                   help=f"comma-separated, or 'all': {', '.join(SECTIONS)} (default: %(default)s)")
     b.add_argument('--n', type=int, default=10000); b.add_argument('--bs', type=int, default=128)
-    b.add_argument('--size', type=int, default=224); b.add_argument('--workers', default='4,8,16')
+    b.add_argument('--size', type=int, default=224); b.add_argument('--workers', default='4,8,16', help='ImageDataLoaders num_workers counts')
     b.add_argument('--device', default=None, help="'cuda' or 'cpu' (default: cuda when DALI sees a GPU)")
     b.add_argument('--repeats', type=int, default=3); b.add_argument('--max-batches', type=int, default=60)
     b.add_argument('--archs', default='resnet18,resnet50', help="models for learn.fit timing ('' to skip)")
     b.add_argument('--epochs', type=int, default=2); b.add_argument('--out', default='fastai_dali_bench')
+    b.add_argument('--mem-epochs', type=int, default=10, help='epochs of the memory section')
+    b.add_argument('--py-workers', default='4,8,16', help='worker process counts of the mixed-workers section')
+    b.add_argument('--parity-n', type=int, default=150, help='generated JPEGs of the parity section')
     b.add_argument('--no-aug', action='store_true'); b.add_argument('--no-mixed', action='store_true')
     sub.add_parser('demo', help='train a small model on generated data with DaliDataLoaders')
     a,rest = ap.parse_known_args(argv)
@@ -385,6 +460,10 @@ def cli(argv=None):
         from fastai_dali.demo import main
         return main(rest)
     if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
-    run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=tuple(int(w) for w in a.workers.split(',')), device=a.device,
-              repeats=a.repeats, max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o),
-              epochs=a.epochs, aug=not a.no_aug, mixed=not a.no_mixed)
+    sections = [o for o in a.sections.split(',') if o]
+    if bad := set(sections) - {*SECTIONS, 'all'}: ap.error(f"unknown sections {','.join(sorted(bad))}: choose from {', '.join(SECTIONS)}")
+    ints = lambda s: tuple(int(w) for w in s.split(',') if w)
+    run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=ints(a.workers), device=a.device, repeats=a.repeats,
+              max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o), epochs=a.epochs,
+              aug=not a.no_aug, mixed=not a.no_mixed, mem_epochs=a.mem_epochs, sections='all' if 'all' in sections else sections,
+              py_workers=ints(a.py_workers), parity_n=a.parity_n)

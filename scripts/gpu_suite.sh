@@ -1,10 +1,12 @@
 #!/bin/bash
-# On the GPU machine, after .gpu/pN/take.sh installed DALI + fastai into /tmp/site (see ../shared/gpu/README.md).
-# Usage: bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | none;
+# The GPU test suite on a machine with an NVIDIA GPU, once DALI, fastai and torch are installed into /tmp/site
+# (`pip install --target /tmp/site ...`; the package itself is imported from this source tree).
+# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | none;
 # PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
 # or DIST=worksteal: tests handed out one at a time;
-# its wheels travel in .whl/). Runs the whole GPU suite in one go (FASTAI_DALI_TEST_DEVICE=cuda pytest -q tests), then
-# the extra measurements; every result goes to $OUT as it is produced.
+# pytest-xdist's wheels are installed from .whl/ if it is missing). Runs the whole GPU suite in one go
+# (FASTAI_DALI_TEST_DEVICE=cuda pytest -q tests; the bad-input tests log their measured |DALI - fastai| to
+# $OUT/diffs_cuda.jsonl), then the extra measurements; every result goes to $OUT as it is produced.
 set -u
 test -d /tmp/site || exit 3
 procs=${3:-1}; xd=""
@@ -12,7 +14,7 @@ if [[ $procs -gt 1 ]]; then
   python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   xd="-n $procs --dist ${DIST:-loadfile}"
 fi
-export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl
 run=${1:-1}; extra=${2:-none}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1
@@ -22,8 +24,9 @@ echo "rc $? wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cud
 tail -4 $OUT/pytest_cuda_run$run.txt
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt
 case $extra in
-resize)
-  timeout 240 python3 scripts/profile_resize.py $OUT/resize --device cuda --n 4000 > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
+resize)  # resize windows and pixel parity (the bench's sections), on 4,000 generated JPEGs
+  timeout 240 python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 4000 --device cuda \
+    --sections resize,parity --archs '' --repeats 2 --out $OUT/resize > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
   tail -30 $OUT/resize.txt ;;
 commands)  # the console commands as a user runs them (entry points called as setuptools' scripts call them)
   { timeout 240 python3 -c "import sys; from fastai_dali.demo import main; sys.exit(main())" && echo "fastai-dali-demo: ok"; } > $OUT/demo.txt 2>&1

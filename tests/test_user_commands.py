@@ -86,6 +86,21 @@ def test_bench_command(tmp_path):
     assert '| ImageDataLoaders train (2 workers) |' in r.stdout and f'wrote {out}/bench.json' in r.stdout, r.stdout[-2000:]
     assert sorted(p.name for p in out.glob('bench.*')) == ['bench.json', 'bench.md', 'bench.png']
 
+def test_bench_sections_are_checked(capsys):
+    import pytest
+    from fastai_dali.bench import cli, SECTIONS
+    with pytest.raises(SystemExit) as e: cli(['bench', '--sections', 'throughput,speed'])
+    assert e.value.code == 2 and 'unknown sections speed' in capsys.readouterr().err
+    assert {'throughput', 'augment', 'mixed', 'training', 'memory', 'resize', 'parity'} <= set(SECTIONS)
+
+def test_demo_imports_no_bench():
+    # one direction only: `fastai_dali.bench` builds on `fastai_dali.demo` (sample data, timing); the demo needs neither
+    # the bench, nor DALI or fastai at import time
+    code = ('import sys, fastai_dali.demo; '
+            'print(sorted(m for m in ("fastai_dali.bench", "nvidia.dali", "fastai") if m in sys.modules))')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert (r.returncode, r.stdout.split()) == (0, ['[]']), r.stderr[-3000:]
+
 # An `ImageDataLoaders` pass that `time_loader` cuts short keeps its worker processes until its iterator is freed. On the
 # H200 (Python 3.12) fastai's pass outlived the timing, held by a reference cycle of frames, so the next loader's forked
 # workers inherited it, and a worker whose garbage collector freed it printed torch's `AssertionError: can only test a

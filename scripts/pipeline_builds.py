@@ -3,20 +3,15 @@ abandoned (`one_batch`, `show_batch`, a `break`), so the build is paid each time
 warm-up, seconds) for: hand-written pipelines (reader + decoder, + resize) with the decoder on the CPU, 'mixed' with
 hw_decoder_load 1.0 and 0.0, with and without jpeg_fancy_upsampling; and DaliDL._build as the loader does it.
 
-    python scripts/profile_build.py OUT [--device cuda|cpu]
+    python scripts/pipeline_builds.py OUT [--device cuda|cpu]
 """
-import argparse, gc, json, statistics, sys, time
+import argparse, gc, json, statistics, sys, tempfile, time
 from pathlib import Path
-import numpy as np
-from PIL import Image
 
-def folder(root, n=64):
-    rng = np.random.default_rng(0)
-    for c in 'ab':
-        (root/c).mkdir(parents=True, exist_ok=True)
-        for i in range(n//2):
-            Image.fromarray(rng.integers(0, 255, (int(rng.integers(20, 60)), int(rng.integers(20, 60)), 3), dtype=np.uint8)).save(root/c/f'{i}.jpg')
-    return root
+def folder(root):
+    "64 small JPEGs (20-60 px a side) in two classes, from the package's one sample-data generator"
+    from fastai_dali.demo import make_image_folder
+    return make_image_folder(root, n_train=24, n_valid=8, classes=('coffee', 'rocket'), min_size=20, max_size=60)
 
 def timed(f, reps=5):
     f()
@@ -29,7 +24,7 @@ def main():
     p = argparse.ArgumentParser(); p.add_argument('out'); p.add_argument('--device', default='cuda'); a = p.parse_args()
     from nvidia.dali import pipeline_def, fn, types
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-    root = folder(Path('/tmp/profile_build'))
+    root = folder(Path(tempfile.mkdtemp())/'pipeline_builds')
     files = sorted(str(f) for f in root.rglob('*.jpg'))
     gpu = a.device != 'cpu'
     def raw(decoder='mixed', resize=False, **dkw):
@@ -80,6 +75,6 @@ def main():
     res['one_batch (abandons, rebuilds), a mixed pipeline alive'] = timed(dls.train.one_batch)
     del dls,kp; gc.collect()
     for k,v in res.items(): print(f'{v:8.4f} s  {k}')
-    (out/'profile_build.json').write_text(json.dumps(res, indent=1))
+    (out/'pipeline_builds.json').write_text(json.dumps(res, indent=1))
 
 if __name__ == '__main__': main()
