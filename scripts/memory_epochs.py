@@ -162,7 +162,7 @@ def run(scenario, a, path):
     t0 = time.monotonic()
     with learn.no_bar(), learn.no_logging(): learn.fit(a.epochs, 1e-3)
     res = dict(scenario=scenario, epochs=a.epochs, seconds=round(time.monotonic()-t0, 1), args=vars(a),
-               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), builds=(dls.train._n_builds, dls.valid._n_builds),
+               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), builds=(dls.train.n_builds, dls.valid.n_builds),
                summary=summarize(probe.rows, a.warmup), rows=probe.rows)
     t0,t1 = probe.types[a.warmup],probe.types[a.epochs]
     res['gc_type_growth'] = sorted(((k, t1[k]-t0.get(k, 0)) for k in t1 if t1[k] != t0.get(k, 0)), key=lambda o: -abs(o[1]))[:25]

@@ -18,7 +18,7 @@ Measured |DALI - fastai| on the case image, 0..255 units, DALI 2.4 CPU backend v
         with it: max 0 (decode only), max 6 / mean 0.16 (Resize(32) pad), before it: max 161, mean 10.
 
 On the H200 (`FASTAI_DALI_TEST_DEVICE=cuda`: 'mixed' decoder, nvJPEG / hardware JPEG decoder, DALI 2.4.0 cuda130,
-fastai 2.8.12; `FASTAI_DALI_DIFF_LOG` records these, docs/results/issue6/):
+fastai 2.8.12; `FASTAI_DALI_DIFF_LOG` records these, docs/results/bad_input/):
     non-JPEG cases (PNG, BMP, TIFF, WebP, GIF, 16-bit PNG, ...), grey and CMYK JPEG, 1x1        max 0    mean 0
     colour JPEGs (progressive, non-ASCII name, symlink, EXIF-rotated), decode only             max 7    mean <= 0.061
     PILImageBW                                                                                 max 1    mean <= 0.494

@@ -191,7 +191,7 @@ TOL = {'crop':           (0.3,  0.45, 24),    # fastai's window, then a resize: 
        'pad_border':     (0.25, 0.4,  24),
        'pad_reflection': (0.3,  0.45, 24)}
 # On the GPU, nvJPEG decodes (and upsamples chroma) differently from PIL's libjpeg-turbo: single pixels at sharp colour
-# edges differ by up to ~140/255 (scripts/gpu_check.py on the H200: mean 0.3-0.5/255 for the exact windows).
+# edges differ by up to ~140/255 (`fastai-dali bench --sections parity` on the H200: mean 0.3-0.5/255 for the exact windows).
 if DEVICE != 'cpu':
     TOL = {k: (1.0, 3*ti, 255) for k,(tm,ti,tx) in TOL.items()}
 
