@@ -146,12 +146,8 @@ class _Live: pass
 
 class BuiltPipeline:
     "A loader's DALI pipeline and iterator, with what they were built from and the epochs they ran: kept or dropped as a unit"
-    def __init__(self, it, plan, log, signature, files, names, source=None):
+    def __init__(self, pipeline, it, plan, log, signature, files, names, source=None):
         store_attr(); self.epoch,self.in_epoch,self._live = 0,False,None
-    @property
-    def pipeline(self):
-        "The DALI `Pipeline`"
-        return self.it._pipes[0]
     def start_epoch(self):
         "Mark an epoch begun; keep the returned token alive while it is iterated"
         token = _Live(); self._live,self.in_epoch = weakref.ref(token),True
@@ -218,7 +214,7 @@ def _build(self:DaliDL):
     finally:
         if source is not None:  # written and read while the iterator builds the pipeline (workers attached): gone now
             source.drop_file(); source.flag.unlink()
-    self._built = BuiltPipeline(it, plan, log, self._signature(), files, names, source)
+    self._built = BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source)
     self._n_builds += 1
     return self._built
 
