@@ -1,4 +1,4 @@
-"""Bad input catalogue (issue 6, part 2): every kind of input file is decoded exactly as fastai's `PILImage.create`
+"""Bad input catalogue: every kind of input file is decoded exactly as fastai's `PILImage.create`
 decodes it, or rejected with an error that names the file; never a hang, never a wrong label.
 
 Each case writes one file (generated with PIL/numpy from scikit-image photos, under pytest's tmp dir) into the

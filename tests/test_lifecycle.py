@@ -1,4 +1,4 @@
-"""Lifecycle (issue 6): `get_preds` exactly once, abandoned epochs, errors in user code, a long run, round trips.
+"""Lifecycle: `get_preds` exactly once, abandoned epochs, errors in user code, a long run, round trips.
 
 Items are tiny lossless PNGs of one solid colour that encodes the item's id (red = id % 256, green = id // 256), and an
 item's class is `CLASSES[id % 3]`, so every delivered sample says which item it is (its pixels) and which label it
