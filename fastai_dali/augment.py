@@ -30,9 +30,12 @@ def _valid_noop(tfm, img, g):
     g.note(tfm, 'native', 'nothing to do on the validation split (fastai applies it to training only)')
     return img
 
-def _params(function, *inputs, num_outputs=1):
-    "Per-sample parameters computed by `function` from small CPU inputs, once per batch"
-    return fn.python_function(*inputs, function=function, batch_processing=True, num_outputs=num_outputs)
+def _drawn(g, tfm, key, params, inputs=tuple, num_outputs=1):
+    "Per-sample parameters of `tfm`: `params(draws, *inputs())` on `params.n_draws` U(0,1) draws a sample, once per graph"
+    def make():
+        u = fn.random.uniform(range=[0.,1.], shape=[max(params.n_draws, 1)])
+        return fn.python_function(u, *inputs(), function=params, batch_processing=True, num_outputs=num_outputs)
+    return g.cached(tfm, key, make)
 
 # %% ../nbs/01b_augment.ipynb #c007
 @dali_item_tfm(FlipItem)
@@ -51,6 +54,7 @@ def dihedral_pixel_mat(k, H, W):
 
 class DihedralParams:
     "Per-sample matrices and output sizes of `DihedralItem`, from draws `u` (coin, k) and image shapes"
+    n_draws = 2
     def __init__(self, p): self.p = p
     def __call__(self, us, shapes):
         res = [dihedral_pixel_mat(min(int(u[1]*8), 7) if u[0] < self.p else 0, int(s[0]), int(s[1]))
@@ -64,8 +68,7 @@ def _interp_mode(g): return types.INTERP_NN if g.is_mask else types.INTERP_LINEA
 def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.experimental.warp_perspective (exact pixel permutation), p={tfm.p}')
-    m,sz = g.cached(tfm, 'mat', lambda: _params(DihedralParams(tfm.p), fn.random.uniform(range=[0.,1.], shape=[2]),
-                                                  g.shape(img), num_outputs=2))
+    m,sz = _drawn(g, tfm, 'mat', DihedralParams(tfm.p), lambda: [g.shape(img)], num_outputs=2)
     return fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
 
 # %% ../nbs/01b_augment.ipynb #c013
@@ -224,20 +227,17 @@ def _affine_ok(tfm):
 
 @dali_batch_tfm(AffineCoordTfm)
 def _affine(tfm, out):
-    if out.normalized or out.post or not _affine_ok(tfm): return False
+    if out.normalized or out.post or not _affine_ok(tfm): return not_fused
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        def make():
-            u = fn.random.uniform(range=[0.,1.], shape=[max(AffineParams(tfm).n_draws, 1)])
-            return _params(AffineParams(tfm, train=g.train), u, g.shape(img))
-        m = g.cached(tfm, 'affine', make)
+        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train), lambda: [g.shape(img)])
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)
-    stage.geometric,stage.train_only = True,tfm.cp_size is None  # without `size`, fastai's valid grid is the identity
-    out.stages.append(stage)
+    # without `size`, fastai's grid on the validation split is the identity: nothing to do there
+    out.add_stage(Stage(stage, train_only=tfm.cp_size is None, geometric=True))
     names = [f.func.__name__ for f in tfm.aff_fs] + ['warp']*len(tfm.coord_fs)
-    return f"{'+'.join(names)}: one fn.experimental.warp_perspective per sample, {border} border (training split)"
+    return fused(f"{'+'.join(names)}: one fn.experimental.warp_perspective per sample, {border} border (training split)")
 
 # %% ../nbs/01b_augment.ipynb #c027
 _gray = np.array([0.2989, 0.5870, 0.1140])
@@ -275,19 +275,17 @@ _lighting_fs = (_BrightnessLogit, _ContrastLogit, _SaturationLogit)
 def _lighting(tfm, out):
     fs = list(tfm.fs)
     if (out.normalized or out.post or not out.float or not all(type(f) in _lighting_fs and f.draw is None for f in fs)
-        or (out.n_ch != 3 and any(isinstance(f, _SaturationLogit) for f in fs))): return False
+        or (out.n_ch != 3 and any(isinstance(f, _SaturationLogit) for f in fs))): return not_fused
     div = out.div
     def stage(img, g):
-        p = LightingParams(fs, out.n_ch)
-        M,T = g.cached(tfm, 'lighting', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]), num_outputs=2))
+        M,T = _drawn(g, tfm, 'lighting', LightingParams(fs, out.n_ch), num_outputs=2)
         x = dmath.clamp(fn.cast(img, dtype=types.FLOAT) / div, 1e-7, 1-1e-7)
         l = fn.coord_transform(-dmath.log(1/x - 1), M=M, T=T)
         return div / (1 + dmath.exp(-l))  # back in [0, div], as the output op expects
-    stage.train_only = True  # fastai's lighting is a training-split transform: `DaliPlan` skips it on valid
-    out.stages.append(stage)
+    out.add_stage(Stage(stage, train_only=True))  # fastai's lighting is a training-split transform
     names = '+'.join(type(f).__name__.strip('_').replace('Logit','').lower() for f in fs)
     how = 'one fn.coord_transform per sample'
-    return f'{names}: logit, {how}, sigmoid (training split)'
+    return fused(f'{names}: logit, {how}, sigmoid (training split)')
 
 # %% ../nbs/01b_augment.ipynb #c031
 class HueParams:
@@ -326,16 +324,14 @@ def hue_shift(x, shift):
 def _hsv(tfm, out):
     fs = list(tfm.fs)
     if (out.normalized or out.post or not out.float or out.n_ch != 3
-        or not all(type(f) is _Hue and f.draw is None for f in fs)): return False
+        or not all(type(f) is _Hue and f.draw is None for f in fs)): return not_fused
     div = out.div
     def stage(img, g):
-        p = HueParams(fs)
-        shift = g.cached(tfm, 'hue', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws])))
+        shift = _drawn(g, tfm, 'hue', HueParams(fs))
         if img.device == 'gpu': shift = shift.gpu()
         return hue_shift(fn.cast(img, dtype=types.FLOAT) / div, shift) * div
-    stage.train_only = True
-    out.stages.append(stage)
-    return 'hue: fastai\'s RGB->HSV->RGB as DALI arithmetic per pixel (training split)'
+    out.add_stage(Stage(stage, train_only=True))
+    return fused("hue: fastai's RGB->HSV->RGB as DALI arithmetic per pixel (training split)")
 
 # %% ../nbs/01b_augment.ipynb #c034
 class ErasingParams:
@@ -367,14 +363,11 @@ class ErasingParams:
 # %% ../nbs/01b_augment.ipynb #c035
 @dali_batch_tfm(RandomErasing)
 def _random_erasing(tfm, out):
-    if not out.float: return False
+    if not out.float: return not_fused
     def post(img, g):
         layout = 'CHW' if out.chw else 'HWC'  # known once the item translations ran (`ToTensor` sets it)
-        p = ErasingParams(tfm, out.chw)
-        anchor,shape = g.cached(tfm, 'erase', lambda: _params(p, fn.random.uniform(range=[0.,1.], shape=[p.n_draws]),
-                                                             img.shape(device='cpu'), num_outputs=2))
+        anchor,shape = _drawn(g, tfm, 'erase', ErasingParams(tfm, out.chw), lambda: [img.shape(device='cpu')], num_outputs=2)
         keep = fn.erase(fn.reshape(img*0. + 1., layout=layout), anchor=anchor, shape=shape, axis_names='HW', fill_value=0)
         return img*keep + fn.random.normal(img)*(1.-keep)
-    post.train_only = True
-    out.post.append(post)
-    return 'one set of rectangles per batch (as fastai): fn.erase mask + fn.random.normal fill, after crop_mirror_normalize (training split)'
+    out.add_post(Stage(post, train_only=True))
+    return fused('one set of rectangles per batch (as fastai): fn.erase mask + fn.random.normal fill, after crop_mirror_normalize (training split)')

@@ -5,14 +5,83 @@
 # %% ../nbs/02_pipeline.ipynb #c003
 from __future__ import annotations
 from fastcore.basics import *
+from fastcore.foundation import L
 from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from .core import *
 from .transforms import *
-import fastai_dali.augment  # registers the augmentation translations
+from .augment import *
 
 # %% auto #0
-__all__ = ['fastai_pipeline', 'track_pipeline']
+__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline']
+
+# %% ../nbs/02_pipeline.ipynb #c101
+class DaliPlan:
+    "Translation of a loader's `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
+    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False):
+        store_attr('mode,exact_resize_crop')
+        item_tfms,batch_tfms = L(item_tfms),L(batch_tfms)
+        self.translations = item_tfms.map(item_translation)  # the `ItemTranslation` of each item transform
+        self.items = L(zip(item_tfms, self.translations.attrgot('f')))  # (item transform, its translation function)
+        on_cpu = [tr.python(t) for t,tr in zip(item_tfms, self.translations)]
+        self.python = any(on_cpu)  # a Python step: the images are decoded on the CPU
+        self.n_cpu = max([i+1 for i,p in enumerate(on_cpu) if p], default=0)  # item steps up to the last Python one
+        self.out = OutputSpec(1 if mode=='L' else 3)
+        self.details = self._fuse(batch_tfms)
+        n = len(self.details)  # only a leading run of batch transforms can be fused: the rest must see DALI's output
+        self.fused,self.rest = batch_tfms[:n],batch_tfms[n:]
+
+    def _fuse(self, batch_tfms):
+        "Fuse batch transforms into `self.out` until one cannot be: the `detail` of each fused one"
+        details = []
+        for t in batch_tfms:
+            f = batch_translation(t)
+            res = not_fused if f is None else f(t, self.out)
+            if not isinstance(res, BatchResult):
+                raise TypeError(f"The batch translation of {type(t).__name__} returned {res!r}: a batch translation "
+                                "returns `fused(detail)` or `not_fused`")
+            if not res.fused: break
+            details.append(res.detail)
+        return details
+
+    def graph(self, train, gpu, decoded, peek, images=None):
+        "The `DaliGraph` of the images `decoded` (shapes `peek`, from the files), or of their masks given the `images`' graph"
+        kw = dict(decoded=decoded, peek=peek, exact_resize_crop=self.exact_resize_crop)
+        if images is None: return DaliGraph(train=train, gpu=gpu, mode=self.mode, out=self.out, **kw)
+        return DaliGraph(train=train, gpu=False, mode='L', is_mask=True, rand=images.rand, out=OutputSpec(1), **kw)
+
+    def _item_steps(self, img, g):
+        for i,((t,f),tr) in enumerate(zip(self.items, self.translations)):
+            if not tr.keeps_crop: img = g.out.flush_crop(img)
+            img = f(t, img, g)
+            if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU
+        return img
+
+    def __call__(self, img, g):
+        "Apply the item translations, the batch stages and the output op to the images `img`, in `g` (from `graph`)"
+        if g.out is not self.out: raise ValueError("`g` is not this plan's images' graph: make it with `plan.graph`")
+        img = self._item_steps(img, g)
+        stages = [s for s in self.out.stages if s.runs(g)]  # a training-only stage is skipped, with the crop flush it needs
+        if stages: img = self.out.flush_crop(img)
+        for s in stages: img = s(img, g)
+        img = self.out(img)
+        for s in self.out.post:
+            if s.runs(g): img = s(img, g)
+        return img
+
+    def masks(self, m, g):
+        "The same item translations and geometric stages on masks `m` (HWC uint8), in `g` (from `graph(..., images=)`)"
+        m = g.out.flush_crop(self._item_steps(m, g))
+        for s in self.out.stages:  # geometric batch steps (an affine warp) move the masks with the images
+            if s.geometric and s.runs(g): m = s(m, g)
+        return m
+
+    def report(self, log=()):
+        "Rows of (stage, transform, how, detail)"
+        rows = [('item',)+r for r in log]
+        rows += [('batch', type(t).__name__, 'native', d) for t,d in zip(self.fused, self.details)]
+        rows += [('batch', type(t).__name__, 'fastai', 'fastai batch transform on the DALI output') for t in self.rest]
+        return rows
 
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
@@ -43,16 +112,14 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     dkw = dict(jpeg_fancy_upsampling=True) if mixed else {}
     if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
     img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False, **dkw)
-    g = DaliGraph(train=train, gpu=gpu, mode=plan.mode, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False),
-                  exact_resize_crop=plan.exact_resize_crop)
+    g = plan.graph(train, gpu, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False))
     img = plan(img, g)
     if log is not None: log.extend(g.log)
     if mask_files is None: return img, (y.gpu() if gpu else y)
     # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
     mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
     m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
-    m = plan.masks(m, DaliGraph(train=train, gpu=False, mode='L', decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), is_mask=True,
-                                rand=g.rand, exact_resize_crop=plan.exact_resize_crop))
+    m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g))
     return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
 
 # %% ../nbs/02_pipeline.ipynb #c006

@@ -5,6 +5,8 @@
 # %% ../nbs/01_transforms.ipynb #c003
 from __future__ import annotations
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 import numpy as np
 from PIL import Image
 from fastcore.basics import *
@@ -17,40 +19,72 @@ from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
 # %% auto #0
-__all__ = ['dali_item_tfm', 'dali_batch_tfm', 'DaliGraph', 'OutputSpec', 'dali_interp', 'resize_window', 'crop_window',
-           'PythonItemTfm', 'python_item_tfm', 'item_translation', 'DaliPlan']
+__all__ = ['not_fused', 'ItemTranslation', 'dali_item_tfm', 'BatchResult', 'fused', 'dali_batch_tfm', 'batch_translation',
+           'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'crop_window', 'PythonItemTfm',
+           'python_item_tfm', 'item_translation']
 
 # %% ../nbs/01_transforms.ipynb #c005
+def _never(tfm): return False
+def _always(tfm): return True
+
+@dataclass(frozen=True)
+class ItemTranslation:
+    "A registered item translation `f(tfm, img, g)->img`, with what `DaliPlan` must know before it builds the graph"
+    f: Callable
+    python: Callable = _never  # `python(tfm)`: does `f` run a Python step for `tfm`? (then the images decode on the CPU)
+    keeps_crop: bool = False  # `f` reads no pixels (it only sets the layout): a crop left to the output op may wait
+
 _item_translations, _batch_translations = {}, {}
 
 def _lookup(reg, tfm):
+    "The entry of `reg` for the class of `tfm` nearest in its MRO, or None"
     for c in type(tfm).__mro__:
         if c in reg: return reg[c]
 
 # %% ../nbs/01_transforms.ipynb #c006
-def dali_item_tfm(*tfm_types, python=None):
-    "Register `f(tfm, img, g)->img` as the DALI translation of item transforms of `tfm_types`"
+def dali_item_tfm(*tfm_types, python=None, keeps_crop=False):
+    "Decorator: register `f(tfm, img, g)->img` as the DALI translation of item transforms of `tfm_types` (and subclasses)"
     def _inner(f):
-        f.python = python or (lambda tfm: False)  # does this `tfm` need the images on the CPU (a Python step)?
-        for t in tfm_types: _item_translations[t] = f
+        tr = ItemTranslation(f, python or _never, keeps_crop)
+        for t in tfm_types: _item_translations[t] = tr
         return f
     return _inner
 
 # %% ../nbs/01_transforms.ipynb #c007
+@dataclass(frozen=True)
+class BatchResult:
+    "A batch translation's answer: whether it took its transform into the DALI graph (`fused`), and how (`detail`)"
+    fused: bool
+    detail: str = ''
+    def __bool__(self): return self.fused
+
+def fused(detail='fused in crop_mirror_normalize'):
+    "The `BatchResult` of a batch translation that took its transform over; `detail` is its row in `dali_report`"
+    return BatchResult(True, detail)
+
+not_fused = BatchResult(False)  # a batch translation that cannot take its transform: fastai runs it, and all after it
+
+# %% ../nbs/01_transforms.ipynb #c100
 def dali_batch_tfm(*tfm_types):
-    "Register `f(tfm, out)->bool` that fuses batch transforms of `tfm_types` into the pipeline's `OutputSpec`"
+    "Decorator: register `f(tfm, out)->BatchResult` as the DALI translation of batch transforms of `tfm_types` (and subclasses)"
     def _inner(f):
         for t in tfm_types: _batch_translations[t] = f
         return f
     return _inner
 
+def batch_translation(tfm):
+    "The batch translation `f(tfm, out)` registered for `tfm`'s class, or None"
+    return _lookup(_batch_translations, tfm)
+
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
-    "State of the DALI graph being built, handed to each item translation"
+    "State of the DALI graph being built, handed to each item translation and each batch `Stage`"
     def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None,
-                 exact_resize_crop=False):
-        store_attr(); self.log = L()
-        if rand is None: self.rand = {}
+                 exact_resize_crop=False, out=None):
+        store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop')
+        self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
+        self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
+        self.log = L()
     def uniform(self, tfm, key):
         "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
         return self.cached(tfm, key, lambda: fn.random.uniform(range=[0.,1.]))
@@ -68,20 +102,48 @@ class DaliGraph:
         sh = self.shape(img)
         return sh[0], sh[1]
     def note(self, tfm, how, detail=''):
+        "Record for `dali_report` how `tfm` runs (`how`: 'native' or 'python'); masks, which repeat the images' steps, do not"
         if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))
+
+# %% ../nbs/01_transforms.ipynb #c114
+@dataclass(frozen=True)
+class Stage:
+    "A graph step `f(img, g)->img` that a batch translation adds around the output op (`OutputSpec.add_stage`, `add_post`)"
+    f: Callable
+    train_only: bool = False  # fastai applies the transform to the training split only: skipped on the validation one
+    geometric: bool = False  # it moves pixels: masks go through it too, with the images' draws (`DaliPlan.masks`)
+    def __call__(self, img, g): return self.f(img, g)
+    def runs(self, g):
+        "Whether this step runs in graph `g`"
+        return g.train or not self.train_only
 
 # %% ../nbs/01_transforms.ipynb #c012
 class OutputSpec:
-    "What the final `crop_mirror_normalize` produces: dtype, layout and the fused `(x-mean)/std`"
+    "What the final `crop_mirror_normalize` produces (dtype, layout, a fused `(x-mean)/std`, a crop), and the steps around it"
     def __init__(self, n_ch=3):
-        self.n_ch,self.float,self.chw,self.div_mask = n_ch,False,False,1
-        self.mean,self.std = [0.]*n_ch,[1.]*n_ch
-        self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
-        self.stages = []  # graph steps `f(img, g)->img` of translated batch transforms, run before the output op
+        self.n_ch = n_ch
+        # float output (`IntToFloatTensor` fused): images divided by `div`, masks by `div_mask`; else uint8
+        self.float,self.div,self.div_mask = False,1.,1
+        self.chw = False  # CHW output (`ToTensor`), else HWC
+        self.mean,self.std = [0.]*n_ch,[1.]*n_ch  # per channel, in the units of the output op's input (0..255)
         self.normalized = False  # once `Normalize` is fused, no batch step can run before the output op any more
-        self.post = []  # graph steps run after the output op (on its CHW float output), e.g. `RandomErasing`
+        self.crop = None  # (h, w, pos_y, pos_x) of a crop left to the output op
+        self.stages = []  # `Stage`s run before the output op (`add_stage`), after the item translations
+        self.post = []  # `Stage`s run after the output op, on its output (`add_post`), e.g. `RandomErasing`
+
+    def add_stage(self, stage:Stage):
+        "Run `stage` on the images (and, if `geometric`, the masks) before the output op, after earlier stages"
+        if not isinstance(stage, Stage): raise TypeError(f"{stage!r} is not a `Stage`: wrap the graph step, `Stage(f)`")
+        self.stages.append(stage)
+
+    def add_post(self, stage:Stage):
+        "Run `stage` on the output op's result (images only: it cannot be `geometric`)"
+        if not isinstance(stage, Stage): raise TypeError(f"{stage!r} is not a `Stage`: wrap the graph step, `Stage(f)`")
+        if stage.geometric: raise ValueError("a step after the output op cannot move the masks' pixels: `geometric=False`")
+        self.post.append(stage)
 
     def __call__(self, img):
+        "The output op on `img`"
         kw = {} if self.crop is None else dict(zip(('crop_h','crop_w','crop_pos_y','crop_pos_x'), self.crop))
         return fn.crop_mirror_normalize(img, dtype=types.FLOAT if self.float else types.UINT8,
                                         output_layout='CHW' if self.chw else 'HWC', mean=self.mean, std=self.std, **kw)
@@ -94,7 +156,7 @@ class OutputSpec:
         return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=py, crop_pos_x=px)
 
 # %% ../nbs/01_transforms.ipynb #c014
-@dali_item_tfm(ToTensor)
+@dali_item_tfm(ToTensor, keeps_crop=True)
 def _to_tensor(tfm, img, g):
     g.out.chw = True
     g.note(tfm, 'native', 'HWC->CHW in crop_mirror_normalize')
@@ -213,83 +275,33 @@ def python_item_tfm(tfm, img, g):
                   "Register one with `@dali_item_tfm` to run it natively.", stacklevel=2)
     g.note(tfm, 'python', 'fastai transform in fn.python_function')
     return fn.python_function(img, function=PythonItemTfm(tfm, 0 if g.train else 1, g.mode), output_layouts='HWC')
-python_item_tfm.python = lambda tfm: True
 
 # %% ../nbs/01_transforms.ipynb #c026
+_python_fallback = ItemTranslation(python_item_tfm, python=_always)
+
 def item_translation(tfm):
-    "The registered translation of `tfm`, or the Python fallback"
-    return _lookup(_item_translations, tfm) or python_item_tfm
+    "The `ItemTranslation` registered for `tfm`'s class (the nearest in its MRO), or the Python fallback"
+    return _lookup(_item_translations, tfm) or _python_fallback
 
 # %% ../nbs/01_transforms.ipynb #c028
 @dali_batch_tfm(IntToFloatTensor)
 def _int2float(tfm, out):
-    if out.float: return False
+    if out.float: return not_fused
     out.float,out.div,out.div_mask = True,float(tfm.div),int(tfm.div_mask)
     out.std = [s*out.div for s in out.std]
-    return True
+    return fused()
 
 # %% ../nbs/01_transforms.ipynb #c029
 @dali_batch_tfm(Normalize)
 def _normalize(tfm, out):
     mean,std = (np.asarray(getattr(tfm, o).detach().cpu() if hasattr(getattr(tfm, o), 'detach') else getattr(tfm, o),
                            dtype=np.float64).ravel() for o in ('mean','std'))
-    if not out.float or out.post or tfm.axes != (0,2,3) or len(mean) not in (1, out.n_ch): return False
+    if not out.float or out.post or tfm.axes != (0,2,3) or len(mean) not in (1, out.n_ch): return not_fused
     mean,std = np.broadcast_to(mean, (out.n_ch,)),np.broadcast_to(std, (out.n_ch,))
     out.mean = [float(m*out.div) for m in mean]
     out.std = [float(s*out.div) for s in std]
     out.normalized = True
-    return True
-
-# %% ../nbs/01_transforms.ipynb #c032
-class DaliPlan:
-    "Translation of `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
-    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False):
-        self.mode,self.exact_resize_crop = mode,exact_resize_crop
-        self.items = L((t, item_translation(t)) for t in item_tfms)
-        self.python = any(f.python(t) for t,f in self.items)
-        self.out = OutputSpec(1 if mode=='L' else 3)
-        n,self.details = 0,[]  # only a leading run of batch transforms can be fused: the rest must see DALI's output
-        for t in batch_tfms:
-            f = _lookup(_batch_translations, t)
-            res = f is not None and f(t, self.out)
-            if not res: break
-            self.details.append(res if isinstance(res, str) else 'fused in crop_mirror_normalize')
-            n += 1
-        self.fused,self.rest = L(batch_tfms[:n]),L(batch_tfms[n:])
-
-    def __call__(self, img, g):
-        "Apply the item translations and the fused output op to `img`"
-        g.out = self.out
-        n_py = max([i+1 for i,(t,f) in enumerate(self.items) if f.python(t)], default=0)
-        for i,(t,f) in enumerate(self.items):
-            if f is not _to_tensor: img = self.out.flush_crop(img)
-            img = f(t, img, g)
-            if g.gpu and i+1 == n_py: img = img.gpu()  # the rest runs on the GPU
-        # steps marked `train_only` do nothing on the validation split: skip them (and the crop flush they need)
-        active = lambda ss: [s for s in ss if g.train or not getattr(s, 'train_only', False)]
-        if active(self.out.stages): img = self.out.flush_crop(img)
-        for s in active(self.out.stages): img = s(img, g)
-        img = self.out(img)
-        for s in active(self.out.post): img = s(img, g)
-        return img
-
-    def masks(self, m, g):
-        "The same item translations on masks `m` (HWC uint8), with the images' random draws in `g.rand`"
-        g.out = OutputSpec(1)
-        for t,f in self.items:
-            if f is not _to_tensor: m = g.out.flush_crop(m)
-            m = f(t, m, g)
-        m = g.out.flush_crop(m)
-        for s in self.out.stages:  # geometric batch steps (an affine warp) move the masks with the images
-            if getattr(s, 'geometric', False) and (g.train or not getattr(s, 'train_only', False)): m = s(m, g)
-        return m
-
-    def report(self, log=()):
-        "Rows of (stage, transform, how, detail)"
-        rows = [('item',)+r for r in log]
-        rows += [('batch', type(t).__name__, 'native', d) for t,d in zip(self.fused, self.details)]
-        rows += [('batch', type(t).__name__, 'fastai', 'fastai batch transform on the DALI output') for t in self.rest]
-        return rows
+    return fused()
 
 # %% ../nbs/01_transforms.ipynb #c044
 import fastai.vision.all as _fastai_all
@@ -325,4 +337,4 @@ if _fastai_lacks('Cuda'):
     @dali_batch_tfm(Cuda)
     def _cuda(tfm, out):
         # DALI's batches are already on the loader's device: nothing to do, unless `tfm` names another device
-        return tfm.device is None and "no-op: DALI's batches are on the loader's device"
+        return fused("no-op: DALI's batches are on the loader's device") if tfm.device is None else not_fused

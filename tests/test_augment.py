@@ -310,14 +310,15 @@ def test_warp_pixels_match_fastai_with_same_draws(pad_mode):
     assert d.mean() < 0.6 and inner.mean() < 0.6 and d.flatten().quantile(0.99) < 2
 
 def dali_transforms_batch(t, out):
-    from fastai_dali.transforms import _lookup, _batch_translations
-    return _lookup(_batch_translations, t)(t, out)
+    "Run the registered batch translation of `t` on `out`: whether it fused `t`"
+    from fastai_dali.transforms import batch_translation
+    return batch_translation(t)(t, out).fused
 
 @pytest.mark.parametrize('with_saturation', [False, True])
 def test_lighting_pixels_match_fastai_with_same_draws(with_saturation):
     "The DALI lighting step with fastai's draws injected, against fastai's `LightingTfm` on the same photos"
     from nvidia.dali import pipeline_def, fn
-    from fastai_dali.transforms import OutputSpec, DaliGraph, _int2float
+    from fastai_dali.transforms import OutputSpec, DaliGraph
     from fastai_dali.augment import LightingParams
     from conftest import random_crop
     rng = np.random.default_rng(1)
@@ -332,7 +333,7 @@ def test_lighting_pixels_match_fastai_with_same_draws(with_saturation):
     u = np.stack([[0]*4, (np.array(bs_)-.3)/.4, [0]*4, lu(np.array(cs))] + ([[0]*4, lu(np.array(ss))] if with_saturation else []), 1)
     p = LightingParams(t.fs)
     params = p(list(u))
-    out = OutputSpec(); _int2float(IntToFloatTensor(), out)
+    out = OutputSpec(); assert dali_transforms_batch(IntToFloatTensor(), out)
     assert dali_transforms_batch(t, out)
     gpu = DEVICE != 'cpu'
     @pipeline_def(batch_size=4, num_threads=1, device_id=0 if gpu else None)
@@ -367,7 +368,7 @@ def test_hue_pixels_match_fastai_with_same_draws():
     "The DALI hue step (RGB->HSV->RGB arithmetic) with fastai's draws injected, against fastai's `Hue`"
     from nvidia.dali import pipeline_def, fn
     from fastai.vision.all import Hue
-    from fastai_dali.transforms import OutputSpec, DaliGraph, _int2float
+    from fastai_dali.transforms import OutputSpec, DaliGraph
     from conftest import random_crop
     rng = np.random.default_rng(2)
     imgs = [random_crop(rng, 40, 40) for _ in range(4)]
@@ -375,7 +376,7 @@ def test_hue_pixels_match_fastai_with_same_draws():
     x = TensorImage(torch.tensor(np.stack(imgs)).permute(0,3,1,2).float()/255)
     exp = plain(Hue(p=1., draw=shifts)(x, split_idx=0))*255
     t = Hue()
-    out = OutputSpec(); _int2float(IntToFloatTensor(), out)
+    out = OutputSpec(); assert dali_transforms_batch(IntToFloatTensor(), out)
     assert dali_transforms_batch(t, out)
     gpu = DEVICE != 'cpu'
     params = [np.array([o], np.float32) for o in shifts]
