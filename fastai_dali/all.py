@@ -15,8 +15,9 @@ from .errors import *
 from .items import *
 from .sources import *
 from .loader import *
+from .distributed import *
 from .data import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, data
-__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, data) for n in m.__all__]
+from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data
+__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data) for n in m.__all__]

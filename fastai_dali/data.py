@@ -20,6 +20,7 @@ from .core import *
 from .errors import *
 from .items import *
 from .loader import *
+from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
 
 # %% auto #0
 __all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']

@@ -22,7 +22,7 @@ from .items import *
 from .sources import *
 
 # %% auto #0
-__all__ = ['DaliDL', 'augment_seed', 'BuiltPipeline']
+__all__ = ['DaliDL', 'shard_positions', 'shard_padded', 'augment_seed', 'BuiltPipeline']
 
 # %% ../nbs/03e_loader.ipynb #c005
 @delegates(TfmdDL.__init__)
@@ -56,6 +56,7 @@ class DaliDL(TfmdDL):
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
         d = self.__dict__.copy(); d['_built'],d['_tgt_on'] = None,{}
+        for k in ('_shards', '_gathered'): d.pop(k, None)  # a distributed run's per-rank loaders and batch state
         return d
 
     @property
@@ -70,8 +71,23 @@ class DaliDL(TfmdDL):
 # %% ../nbs/03e_loader.ipynb #c008
 @patch
 def _shard_n(self:DaliDL):
+    "Items each shard reads per epoch: all of them, or `ceil(n/num_shards)` (the padded share)"
     n = len(self.dataset) if self.n is None else self.n
-    return n*(self.shard_id+1)//self.num_shards - n*self.shard_id//self.num_shards
+    return -(-n//self.num_shards)
+
+def shard_positions(m, bs, shard_id, num_shards):
+    "Positions (in the padded item order) of the `m` items shard `shard_id` reads unshuffled: batch-sized runs, so that the shards' batches, gathered in shard order, are the items in order"
+    res = []
+    for j in range(-(-m//bs)):
+        s = min(bs, m - j*bs)
+        start = num_shards*j*bs + shard_id*s
+        res += range(start, start+s)
+    return res
+
+def shard_padded(idxs, k):
+    "`idxs` with its first items repeated at the end up to a multiple of `k` (at most `k-1` more)"
+    n_p = -(-len(idxs)//k)*k
+    return (list(idxs) * (n_p//max(len(idxs), 1) + 1))[:n_p] if idxs else []
 
 @patch
 def __len__(self:DaliDL):
@@ -146,7 +162,7 @@ class _Live: pass
 
 class BuiltPipeline:
     "A loader's DALI pipeline and iterator, with what they were built from and the epochs they ran: kept or dropped as a unit"
-    def __init__(self, pipeline, it, plan, log, signature, files, names, source=None):
+    def __init__(self, pipeline, it, plan, log, signature, files, names, source=None, gather_n=None):
         store_attr(); self.epoch,self.in_epoch,self._live = 0,False,None
     def start_epoch(self):
         "Mark an epoch begun; keep the returned token alive while it is iterated"
@@ -184,18 +200,22 @@ def _build(self:DaliDL):
     if masks is not None and (isinstance(src, PythonSource) or any(f is python_item_tfm for _,f in plan.items)):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     if isinstance(src, PythonSource):
-        if self.num_shards > 1: raise NotImplementedError("num_shards > 1 needs files for DALI's reader, not a `get_x` returning bytes")
+        if self.num_shards > 1: raise NotImplementedError(
+            "DaliDL shards image files (DALI's reader), not the bytes a `get_x` returns: with several processes, give the "
+            "DataBlock a `get_x` that returns each item's file path, or train this dataset in one process")
         files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if shuffle else idxs, seed, EpochFlag())
         kw = python_workers_kwargs(source, self.py_workers)
     else: files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
     self._check_jpeg_ends()
-    shard_id,num_shards = self.shard_id,self.num_shards
+    shard_id,num_shards,gather_n = self.shard_id,self.num_shards,None
+    if source is None and num_shards > 1:  # equal shares (see "Shards")
+        gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards)
+        if not shuffle:  # this shard's own items, in gathering order; DALI reads them as one shard
+            idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, self.bs, shard_id, num_shards)]
+            shard_id,num_shards = 0,1
+        files,labels,names = [src[i] for i in idxs],idxs,[self._fl_names[i] for i in idxs]
     mfiles = None if masks is None else [masks[i] for i in idxs]
-    if source is None and len(files) < num_shards:  # DALI's reader needs an item per shard: read this shard's (0 or 1)
-        lo,hi = len(files)*shard_id//num_shards,len(files)*(shard_id+1)//num_shards
-        files,labels,mfiles,shard_id,num_shards = files[lo:hi],labels[lo:hi],mfiles and mfiles[lo:hi],0,1
-        names = names[lo:hi]
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
@@ -214,7 +234,7 @@ def _build(self:DaliDL):
     finally:
         if source is not None:  # written and read while the iterator builds the pipeline (workers attached): gone now
             source.drop_file(); source.flag.unlink()
-    self._built = BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source)
+    self._built = BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source, gather_n)
     self._n_builds += 1
     return self._built
 
@@ -266,6 +286,7 @@ def _epoch_batches(self:DaliDL, b:BuiltPipeline):
     left = len(self)*self.bs if self.drop_last else self._shard_n()
     if self._order is not None and self.num_shards == 1:  # a replaced `get_idxs` may give fewer items
         left = min(left, len(self._order)//self.bs*self.bs if self.drop_last else len(self._order))
+    pos = 0  # gathered from every shard, the batches so far held the items up to `pos`
     while True:
         try: d = next(b.it)
         except StopIteration: break
@@ -279,7 +300,11 @@ def _epoch_batches(self:DaliDL, b:BuiltPipeline):
         # ended early gets batches of padding: trim them (drain, but never yield an empty batch)
         k = min(len(x[0]), left)
         left -= k
-        if k: yield x if k == len(x[0]) else tuple(o[:k] for o in x)
+        if not k: continue
+        # what `to_detach` keeps of this batch gathered from every shard: the real items, not the padding
+        self._gathered = None if b.gather_n is None else max(0, min(k*self.num_shards, b.gather_n-pos))
+        pos += k*self.num_shards
+        yield x if k == len(x[0]) else tuple(o[:k] for o in x)
     b.it.reset()
 
 # %% ../nbs/03e_loader.ipynb #c024

@@ -12,6 +12,8 @@ os.environ.setdefault('MPLBACKEND', 'Agg')
 warnings.filterwarnings('ignore', message='.*torch.jit.script.*', category=FutureWarning)
 
 import numpy as np, pytest, torch
+from torch import nn
+import torch.nn.functional as F
 from PIL import Image
 
 # The DALI side runs where FASTAI_DALI_TEST_DEVICE says: 'cpu' (CI, DALI's CPU backend) or 'cuda' (a GPU machine,
@@ -112,3 +114,44 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"{'case':<42}{'mean|d|':>9}{'worst img mean':>16}{'p99.9':>8}{'max|d|':>8}")
     for k,v in sorted(PARITY_STATS.items()):
         tr.write_line(f"{k:<42}{v['mean']:>9.3f}{v['img_mean']:>16.3f}{v['p999']:>8.1f}{v['max']:>8.1f}")
+
+# ------------------------------------------------------------------ images that carry their item id (exactness tests)
+CLS = ('a', 'b', 'c')
+VALID0 = 500  # valid ids are VALID0.., train ids 0..
+
+def cls_of(i): return CLS[i % 3]
+
+def make_id_folder(root, n_train=43, n_valid=22, start=0):
+    "`root/{train,valid}/<class>/<id>.png`, 8x8 solid images whose colour encodes the id"
+    root = Path(root)
+    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+VALID0, start+VALID0+n_valid))):
+        for i in ids:
+            a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1], a[..., 2] = i % 256, i // 256, 60*CLS.index(cls_of(i))
+            fn = root/split/cls_of(i)/f'{i:04d}.png'; fn.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(a).save(fn)
+    return root
+
+def id_of(f): return int(Path(f).stem)
+
+def decode_ids(x):
+    "Item id of each image of batch `x` (0..1 floats); -1 where the pixels are not one solid colour"
+    x = (x.as_subclass(torch.Tensor).float()*255).round().long()
+    lo,hi = x[:, 0].flatten(1),x[:, 1].flatten(1)
+    solid = (lo.min(1).values == lo.max(1).values) & (hi.min(1).values == hi.max(1).values)
+    return torch.where(solid, lo[:, 0] + 256*hi[:, 0], torch.full_like(lo[:, 0], -1))
+
+def ids_of(x): return plain(decode_ids(x)).tolist()
+
+class IdNet(nn.Module):
+    "A linear classifier on the mean colour, plus one more column: the id its input encodes"
+    def __init__(self, n_cls=3): super().__init__(); self.lin = nn.Linear(3, n_cls)
+    def forward(self, x):
+        x = x.as_subclass(torch.Tensor)
+        return torch.cat([self.lin(x.mean((2, 3))), decode_ids(x)[:, None].float()], 1)
+
+class IdLoss:
+    "Cross entropy on the class columns; predictions keep the id column"
+    def __call__(self, out, y): return F.cross_entropy(out[:, :-1], y.as_subclass(torch.Tensor))
+    def activation(self, out): return torch.cat([F.softmax(out[:, :-1], -1), out[:, -1:]], 1)
+    def decodes(self, out): return out[:, :-1].argmax(-1)
+

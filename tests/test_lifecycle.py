@@ -51,12 +51,11 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
 from fastai_dali.pipeline import _live_pipes
 
-from conftest import make_image_folder, build_at_once
+from conftest import (make_image_folder, build_at_once, CLS, VALID0, cls_of, make_id_folder, id_of, decode_ids, ids_of,
+                      IdNet, IdLoss)
 from conftest import DEVICE, PRED_ATOL, plain, run_with_timeout
 
-CLS = ('a', 'b', 'c')
 N_TRAIN, N_VALID, BS = 43, 22, 6       # train: 7 batches (drop_last drops 1 item); valid: 6,6,6,4
-VALID0 = 500                           # valid ids are VALID0.., train ids 0..
 HANG_S = 300                           # backstop: dump every thread's stack and exit if a test hangs this long
 # Growth of malloc'd memory (KB, see `malloc_stats`) per interval (SAMPLE cycles; 5 epochs), median over the intervals:
 # under the smallest leak these tests look for (a pipeline kept per rebuild, ~6.5 MB each; one batch kept per epoch,
@@ -74,20 +73,6 @@ def hang_guard():
 
 
 # ---------------------------------------------------------------------------------------------- items
-def cls_of(i): return CLS[i % 3]
-
-def make_id_folder(root, n_train=N_TRAIN, n_valid=N_VALID, start=0):
-    "`root/{train,valid}/<class>/<id>.png`, 8x8 solid images whose colour encodes the id"
-    root = Path(root)
-    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+VALID0, start+VALID0+n_valid))):
-        for i in ids:
-            a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1], a[..., 2] = i % 256, i // 256, 60*CLS.index(cls_of(i))
-            fn = root/split/cls_of(i)/f'{i:04d}.png'; fn.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(a).save(fn)
-    return root
-
-def id_of(f): return int(Path(f).stem)
-
 @pytest.fixture(scope='module')
 def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))
 
@@ -101,15 +86,6 @@ def bytes_block(get_x=read_bytes, item_tfms=None):
 def id_loaders(root, kind='files', bs=BS, **kw):
     if kind == 'files': return DaliDataLoaders.from_folder(root, item_tfms=Resize(4), bs=bs, device=DEVICE, **kw)
     return bytes_block().dali_dataloaders(root, bs=bs, device=DEVICE, py_workers=2 if kind == 'workers' else 0, **kw)
-
-def decode_ids(x):
-    "Item id of each image of batch `x` (0..1 floats); -1 where the pixels are not one solid colour"
-    x = (x.as_subclass(torch.Tensor).float()*255).round().long()
-    lo,hi = x[:, 0].flatten(1),x[:, 1].flatten(1)
-    solid = (lo.min(1).values == lo.max(1).values) & (hi.min(1).values == hi.max(1).values)
-    return torch.where(solid, lo[:, 0] + 256*hi[:, 0], torch.full_like(lo[:, 0], -1))
-
-def ids_of(x): return plain(decode_ids(x)).tolist()
 
 def labels_of(dls, ids): return [dls.vocab.o2i[cls_of(i)] for i in ids]
 
@@ -136,19 +112,6 @@ def check_valid_epoch(dls, batches):
     assert ids == [id_of(f) for f in dls.valid_ds.items]
 
 # ---------------------------------------------------------------------------------------------- a tiny learner
-class IdNet(nn.Module):
-    "A linear classifier on the mean colour, plus one more column: the id its input encodes"
-    def __init__(self, n_cls=3): super().__init__(); self.lin = nn.Linear(3, n_cls)
-    def forward(self, x):
-        x = x.as_subclass(torch.Tensor)
-        return torch.cat([self.lin(x.mean((2, 3))), decode_ids(x)[:, None].float()], 1)
-
-class IdLoss:
-    "Cross entropy on the class columns; predictions keep the id column"
-    def __call__(self, out, y): return F.cross_entropy(out[:, :-1], y.as_subclass(torch.Tensor))
-    def activation(self, out): return torch.cat([F.softmax(out[:, :-1], -1), out[:, -1:]], 1)
-    def decodes(self, out): return out[:, :-1].argmax(-1)
-
 class RecordIds(Callback):
     "Every batch the model sees, per epoch: (training, ids, labels)"
     order = 99

@@ -1,0 +1,104 @@
+"""One rank of the distributed checks of `test_distributed.py` (DALI's CPU backend, gloo), started by torchrun:
+
+    ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tests/distributed_worker.py ROOT OUT
+
+1. A Learner under `distrib_ctx`: every batch of `fit` and `get_preds` comes from a `DaliDL` (DALI, not fastai's PIL
+   path); per epoch the ranks run the same number of batches and see every training item, at most `world-1` twice;
+   the gathered `get_preds` are the single-process ones, in dataset order.
+2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 2 epochs.
+3. Ranks that disagree (a different batch size) get a clear error on every rank instead of a hang.
+Each rank writes OUT/rank<r>.json; any failed check ends the rank with an error (non-zero exit status).
+"""
+import json, os, sys, warnings
+from pathlib import Path
+import numpy as np, torch, torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).parent))
+warnings.filterwarnings('ignore')
+from conftest import make_id_folder, ids_of, id_of, IdNet, IdLoss, plain
+from fastai.vision.all import (Learner, Callback, Datasets, PILImage, parent_label, Categorize, ToTensor, IntToFloatTensor,
+                               get_image_files)
+from fastai_dali.all import *
+
+class Record(Callback):
+    "The loader type of every batch, and per training epoch the item ids of its batches"
+    order = 99
+    def __init__(self): self.epochs,self.types = [],set()
+    def before_train(self): self.epochs.append([])
+    def before_batch(self):
+        self.types.add(type(self.dl).__name__)
+        if self.training: self.epochs[-1].append(ids_of(self.xb[0]))
+
+def gather(o):
+    res = [None]*dist.get_world_size(); dist.all_gather_object(res, o); return res
+
+def check_train_epoch(per_rank, items, world, drop_last=True):
+    "Batches of one epoch from every rank: equal counts; training items only, each at most twice, at most world-1 repeats"
+    assert len({len(b) for b in per_rank}) == 1, f"ranks ran different numbers of batches: {[len(b) for b in per_rank]}"
+    seen = [i for b in per_rank for x in b for i in x]
+    assert set(seen) <= set(items) and len(seen) - len(set(seen)) < world, (sorted(seen), sorted(items))
+    if not drop_last: assert set(seen) == set(items), (sorted(seen), sorted(items))
+
+def gathered_in_order(per_rank):
+    "Batch j of every rank in rank order, then batch j+1...: what fastai's gathering gives"
+    return [i for j in range(len(per_rank[0])) for b in per_rank for i in b[j]]
+
+def learner_checks(root, rank, world):
+    dls = DaliDataLoaders.from_folder(root, bs=4, device='cpu', num_threads=1)
+    rec = Record()
+    learn = Learner(dls, IdNet(), loss_func=IdLoss(), cbs=rec)
+    with learn.distrib_ctx(sync_bn=False):
+        learn.fit(2)
+        preds,targs = learn.get_preds()
+    assert rec.types == {'DaliDL'}, f"batches came from {rec.types}, not only from DaliDL"
+    train = [id_of(f) for f in dls.train_ds.items]
+    for ep in rec.epochs: check_train_epoch(gather(ep), train, world)
+    valid = [id_of(f) for f in dls.valid_ds.items]
+    assert preds[:, -1].long().tolist() == valid, (preds[:, -1].long().tolist(), valid)
+    # what one process computes with the same model on the whole valid set (fastai's get_preds would gather here too:
+    # WORLD_SIZE is set), in dataset order
+    with torch.no_grad(): xs,ys = zip(*[(learn.loss_func.activation(learn.model(x)), y) for x,y in dls.valid])
+    assert torch.equal(plain(targs), plain(torch.cat(ys))) and torch.allclose(preds, torch.cat(xs), atol=1e-5)
+    return dict(train_epochs=len(rec.epochs), valid=len(valid))
+
+def loader_checks(root, rank, world):
+    files = sorted(get_image_files(root/'train'), key=id_of)
+    n_checked = 0
+    for n in range(1, 14):
+        ds = Datasets(files[:n], [[PILImage.create], [parent_label, Categorize()]])
+        ids = [id_of(f) for f in files[:n]]
+        for shuffle in (False, True):
+            for drop_last in (False, True):
+                dl = DaliDL(ds, bs=3, shuffle=shuffle, drop_last=drop_last, device='cpu', num_threads=1,
+                            after_item=[ToTensor()], after_batch=[IntToFloatTensor()]).distributed()
+                orders = []
+                for ep in range(2):
+                    per_rank = gather([ids_of(x) for x,_ in dl])
+                    orders.append(gathered_in_order(per_rank))
+                    assert len({len(b) for b in per_rank}) == 1, (n, shuffle, drop_last, [len(b) for b in per_rank])
+                    if shuffle: check_train_epoch(per_rank, ids, world, drop_last)
+                    elif not drop_last:
+                        got = gathered_in_order(per_rank)
+                        assert got[:n] == ids and len(got) - n < world, (n, got, ids)
+                # a new permutation each epoch (with 8+ items two equal ones would be a 1-in-20,000 accident)
+                if shuffle and n >= 8: assert orders[0] != orders[1], (n, drop_last, orders)
+                n_checked += 1
+    return dict(loaders=n_checked)
+
+def mismatch_checks(root, rank, world):
+    ds = Datasets(get_image_files(root/'train')[:8], [[PILImage.create], [parent_label, Categorize()]])
+    dl = DaliDL(ds, bs=3+rank, device='cpu', num_threads=1, after_item=[ToTensor()], after_batch=[IntToFloatTensor()])
+    try: dl.distributed()
+    except ValueError as e:
+        assert 'disagree' in str(e), e
+        return dict(mismatch_error=str(e)[:200])
+    raise AssertionError("ranks with different batch sizes were not stopped")
+
+if __name__ == '__main__':
+    root,out = Path(sys.argv[1]),Path(sys.argv[2])
+    rank,world = int(os.environ['RANK']),int(os.environ['WORLD_SIZE'])
+    res = dict(rank=rank, world=world, local_rank=int(os.environ['LOCAL_RANK']))
+    res.update(learner_checks(root, rank, world))   # distrib_ctx initializes the process group (accelerate)
+    res.update(loader_checks(root, rank, world))
+    res.update(mismatch_checks(root, rank, world))
+    (out/f'rank{rank}.json').write_text(json.dumps(res))
+    dist.barrier()

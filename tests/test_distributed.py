@@ -1,0 +1,46 @@
+"""Several processes: `DaliDataLoaders` under fastai's `distrib_ctx`, on DALI's CPU backend with gloo, as CI can run
+them (2 cores). `distributed_worker.py` holds the checks each rank runs; here they are launched as users launch them."""
+import json, os, subprocess, sys
+from pathlib import Path
+import pytest
+from conftest import make_id_folder
+
+HERE = Path(__file__).parent
+pytest.importorskip('accelerate', reason="fastai's distributed training needs accelerate (the dev extra installs it)")
+
+def launch(cmd, tmp_path, timeout=600):
+    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=7),tmp_path/'out'
+    out.mkdir()
+    env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
+    r = subprocess.run([*cmd, str(HERE/'distributed_worker.py'), str(root), str(out)], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    return [json.loads((out/f'rank{i}.json').read_text()) for i in range(2)]
+
+def test_torchrun_two_processes(tmp_path):
+    res = launch([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2'], tmp_path)
+    assert [r['rank'] for r in res] == [0, 1] and all(r['loaders'] == 13*4 and r['train_epochs'] == 2 for r in res)
+    assert all('disagree' in r['mismatch_error'] for r in res)
+
+def test_accelerate_launch(tmp_path):
+    # `--cpu` would start one process only; `--multi_gpu` with ACCELERATE_USE_CPU=1 starts two, on gloo
+    res = launch([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1',
+                  '--mixed_precision', 'no', '--dynamo_backend', 'no'], tmp_path)
+    assert [r['rank'] for r in res] == [0, 1] and all(r['loaders'] == 13*4 for r in res)
+
+def test_two_nodes(tmp_path):
+    "Two launchers of one process each, as on two machines: RANK and LOCAL_RANK differ"
+    import socket
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=7),tmp_path/'out'
+    out.mkdir()
+    env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
+    cmd = lambda node: [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--node_rank', str(node),
+                        '--nproc_per_node', '1', '--master_addr', '127.0.0.1', '--master_port', str(port),
+                        str(HERE/'distributed_worker.py'), str(root), str(out)]
+    ps = [subprocess.Popen(cmd(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+          for node in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in ps]
+    assert [p.returncode for p in ps] == [0, 0], [o[1][-4000:] for o in outs]
+    res = [json.loads((out/f'rank{i}.json').read_text()) for i in range(2)]
+    assert [(r['rank'], r['local_rank']) for r in res] == [(0, 0), (1, 0)] and all(r['loaders'] == 13*4 for r in res)
