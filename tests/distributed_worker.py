@@ -5,7 +5,7 @@
 1. A Learner under `distrib_ctx`: every batch of `fit` and `get_preds` comes from a `DaliDL` (DALI, not fastai's PIL
    path); per epoch the ranks run the same number of batches and see every training item, at most `world-1` twice;
    the gathered `get_preds` are the single-process ones, in dataset order.
-2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 2 epochs.
+2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 3 epochs.
 3. Ranks that disagree (a different batch size) get a clear error on every rank instead of a hang.
 Each rank writes OUT/rank<r>.json; any failed check ends the rank with an error (non-zero exit status).
 """
@@ -71,7 +71,7 @@ def loader_checks(root, rank, world):
                 dl = DaliDL(ds, bs=3, shuffle=shuffle, drop_last=drop_last, device='cpu', num_threads=1,
                             after_item=[ToTensor()], after_batch=[IntToFloatTensor()]).distributed()
                 orders = []
-                for ep in range(2):
+                for ep in range(3):
                     per_rank = gather([ids_of(x) for x,_ in dl])
                     orders.append(gathered_in_order(per_rank))
                     assert len({len(b) for b in per_rank}) == 1, (n, shuffle, drop_last, [len(b) for b in per_rank])
@@ -80,7 +80,7 @@ def loader_checks(root, rank, world):
                         got = gathered_in_order(per_rank)
                         assert got[:n] == ids and len(got) - n < world, (n, got, ids)
                 # a new permutation each epoch (with 8+ items two equal ones would be a 1-in-20,000 accident)
-                if shuffle and n >= 8: assert orders[0] != orders[1], (n, drop_last, orders)
+                if shuffle and n >= 8: assert orders[0] != orders[1] != orders[2], (n, drop_last, orders)
                 n_checked += 1
     return dict(loaders=n_checked)
 
