@@ -229,6 +229,7 @@ def _build(self:DaliDL):
     # Building the iterator runs the first batch: reading errors can surface here already
     try: it = DALIGenericIterator(pipe, ['x','y'] + ([] if masks is None else ['m']), auto_reset=False, **it_kw)
     except RuntimeError as e:
+        if 'Workers initialization failed' in str(e): raise DaliPythonError(_workers_failed_msg(self.py_workers)) from e
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
         raise dali_read_error(e, files, names) from None
     finally:
@@ -237,6 +238,11 @@ def _build(self:DaliDL):
     self._built = BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source, gather_n)
     self._n_builds += 1
     return self._built
+
+def _workers_failed_msg(n):
+    return (f"DALI's {n} Python worker processes (which run a `get_x` returning bytes) did not start; their own errors "
+            "are printed above. They start by importing your script ('spawn'): a script that builds its loaders at the "
+            "top level must do so under `if __name__ == '__main__':`. Or pass py_workers=0 to run `get_x` in this process.")
 
 @patch
 def _ready(self:DaliDL):

@@ -5,7 +5,7 @@ loaders on the same `DataBlock`.
 Each build of a pipeline with worker processes spawns them, and each imports torch and fastai (~13 s on the H200), so
 the tests share one `DaliDataLoaders` (module fixture) whose train and valid pipelines are built at once, and reuse
 them (`get_preds(dl=dd.valid)`, the callback file of `dd.valid`)."""
-import gc, zipfile
+import gc, os, zipfile
 import pytest, torch
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
                                accuracy)
@@ -99,3 +99,23 @@ def test_worker_callback_file_removed(loaders):
     fn = src.__reduce__()[1][0]; assert os.path.exists(fn)    # pickled again: a new file, deleted with the source
     del src; dd.valid._release(); gc.collect()    # (a later test using `loaders` would build it again)
     assert not os.path.exists(fn)
+
+def test_script_without_main_guard_told_why(tmp_path):
+    "DALI's workers import the script ('spawn'): one that builds its loaders at the top level gets told what to do"
+    import subprocess, sys, textwrap
+    script = tmp_path/'train.py'
+    script.write_text(textwrap.dedent(f'''
+        from pathlib import Path
+        from fastai.vision.all import *
+        from fastai_dali.all import *
+        from fastai_dali.demo import make_image_folder
+        path = make_image_folder(Path({str(tmp_path)!r})/'p', n_train=4, n_valid=2, classes=('coffee', 'rocket'))
+        def read(f): return Path(f).read_bytes()
+        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read, get_y=parent_label,
+                        splitter=GrandparentSplitter(), item_tfms=Resize(16))
+        blk.dali_dataloaders(path, bs=2, device='cpu', py_workers=1).one_batch()
+        '''))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, 'PYTHONWARNINGS': 'ignore'})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and last.startswith('fastai_dali.errors.DaliPythonError: ') and "__name__ == '__main__'" in last, r.stderr[-3000:]
