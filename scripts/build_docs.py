@@ -13,7 +13,8 @@ Quarto (and so `nbdev_docs`) is not available, so this does what `nbdev_docs` do
    backticked public names link to their entry;
 3. mkdocs (material theme, no web fonts, no repo widget: the site makes no request outside itself) builds the
    HTML with its search index. Navigation: Home, Tutorials (`nbs/1N_*.ipynb`), Guides (`08_troubleshooting`),
-   Reference (the rest, in file-name order), each titled by the notebook's first `# ` heading.
+   Reference (the rest, in file-name order), each titled by the notebook's first `# ` heading; `docs/results/README.md`
+   (the measured results) is a Guides page too.
 
 Options: `--no-exec` keeps the notebooks' saved outputs instead of running them (fast, for layout work);
 `--only NAME ...` builds some notebooks only (with index.ipynb). The Markdown sources and the generated
@@ -53,6 +54,10 @@ def title_of(path):
         m = re.search(r'^#\s+(\S.*?)\s*$', ''.join(c['source']), flags=re.MULTILINE)
         if m: return m.group(1).replace('`', '')
     return path.stem
+
+def title_of_md(path):
+    m = re.search(r'^#\s+(\S.*?)\s*$', path.read_text(), flags=re.MULTILINE)
+    return m.group(1) if m else path.stem
 
 def notebooks(only=None):
     nbs = sorted((ROOT/'nbs').glob('*.ipynb'))
@@ -199,7 +204,7 @@ def nb_to_md(nb, page, img_dir, img_rel, entries):
 
 # ---------------------------------------------------------------- links
 _re_fenced = re.compile(r'(^```.*?^```[ \t]*$|^~~~.*?^~~~[ \t]*$)', re.MULTILINE | re.DOTALL)
-_re_bt = re.compile(r'(?<![\[`\w])`([A-Za-z_][\w.]*)`(?![`\]])')
+_re_bt = re.compile(r'(?<![\[`\w])`([A-Za-z_][\w.]*|[\w.-]+/[\w./-]*)`(?![`\]])')
 _re_mdlink = re.compile(r'(!?\[[^\]]*\]\()([^)\s]+)((?:\s+"[^"]*")?\))')
 
 def _relpath(target, page):
@@ -225,6 +230,12 @@ def linkify(md, page, entries, src_nb, pages, copies):
         return m.group(1) + new + (f'#{frag}' if frag else '') + m.group(3)
     def bt(m):
         nm = m.group(1)
+        if '/' in nm:  # a path in the repository: its page in the site, else GitHub
+            tgt = (ROOT/nm.rstrip('/')).resolve()
+            if not nm[0].isalnum() or not tgt.exists() or ROOT not in tgt.parents: return m.group(0)
+            if tgt in pages: href = _relpath(pages[tgt], page)
+            else: href = f"{s['git_url']}/{'tree' if tgt.is_dir() else 'blob'}/{s.get('branch','main')}/{tgt.relative_to(ROOT).as_posix()}"
+            return f'[`{nm}`]({href})'
         if nm not in entries: return m.group(0)
         p, a = entries[nm]
         href = (f'#{a}' if p == page else f'{_relpath(p, page)}#{a}')
@@ -305,7 +316,9 @@ def main(argv=None):
     (src/'assets').mkdir(parents=True)
     shutil.copy(SITE_CFG/'extra.css', src/'assets'/'extra.css')
     nbs = notebooks(a.only)
-    pages = {p: page_name(p) for p in nbs}
+    pages = {}
+    for p in nbs:  # nbdev's names; the whole file name where two notebooks would share one (`04_data`, `10_data`)
+        pages[p] = page_name(p) if page_name(p) not in pages.values() else p.stem + '.md'
     entries, processed = {}, {}
     timings = []
     for p in nbs:
@@ -316,6 +329,10 @@ def main(argv=None):
         timings.append((p.relative_to(ROOT).as_posix(), time.time() - t))
         print(f'[docs] {timings[-1][0]}: {timings[-1][1]:.1f}s', flush=True)
     t_exec = time.time() - t0
+    results = ROOT/'docs'/'results'/'README.md'  # the measured results: a Guides page
+    if results.exists():
+        pages[results] = 'results.md'
+        processed[results] = results.read_text()
     copies = set()
     for p, md in processed.items():
         (src/pages[p]).write_text(linkify(md, pages[p], entries, p, pages, copies))
@@ -326,6 +343,7 @@ def main(argv=None):
     nav = [('Home', 'index.md')]
     for sec in SECTIONS:
         items = [(title_of(p), pages[p]) for p in nbs[1:] if section(p.stem) == sec]
+        if sec == 'Guides' and results.exists(): items.append((title_of_md(results), 'results.md'))
         if items: nav.append((sec, items))
     cfg = base/'mkdocs.yml'
     cfg.write_text(mkdocs_yml(src, out, nav))

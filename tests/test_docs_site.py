@@ -140,11 +140,14 @@ def test_screenshots(page, server):
     base, pg = page
     site, _ = server
     SHOTS.mkdir(parents=True, exist_ok=True)
-    tut = sorted(p for p in (ROOT/'nbs').glob('*.ipynb') if re.match(r'^1\d', p.stem))
-    other = re.sub(r'^\d+[a-z]?_', '', tut[0].stem) if tut else 'data'
-    for name, rel in (('home', ''), ('tutorial' if tut else 'reference', f'{other}/')):
-        pg.goto(base + rel, wait_until='networkidle')
+    pg.goto(base, wait_until='networkidle')
+    # the first page of the navigation's Tutorials section, else the DaliDataLoaders reference page
+    tut = pg.eval_on_selector_all('nav.md-nav--primary li.md-nav__item--section',
+        """els => els.filter(e => e.querySelector('label, span, a').textContent.trim() == 'Tutorials')
+                    .map(e => e.querySelector('nav a.md-nav__link').href)""")
+    for name, url in (('home', base), ('tutorial', tut[0]) if tut else ('reference', base + 'data/')):
+        pg.goto(url, wait_until='networkidle')
         fn = SHOTS/f'{name}.png'
         pg.screenshot(path=str(fn))
         assert fn.stat().st_size > 10_000
-        print(f'\nscreenshot: {fn}')
+        print(f'\nscreenshot of {pg.url}: {fn}')
