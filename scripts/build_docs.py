@@ -144,6 +144,7 @@ def _opts(src):
 def _fence(s, lang=''):
     ticks = '```'
     while ticks in s: ticks += '`'
+    if lang == 'text': lang = ' { .text .nb-out }'  # an output: styled apart from the code (docs_site/extra.css)
     return f'{ticks}{lang}\n{s.rstrip()}\n{ticks}'
 
 _re_sd_src = re.compile(r'\[source\]\(([^)]*)\)(\{[^}]*\})?')
@@ -165,7 +166,13 @@ def _output_md(o, img_dir, img_rel, stem, n, entries, page):
     ot = o.get('output_type')
     if ot == 'stream':
         t = _txt(o.get('text'))
-        if o.get('name') == 'stderr': t = '\n'.join(l for l in t.splitlines() if not _re_warnline.search(l))
+        if o.get('name') == 'stderr':  # Python warnings (and the source line printed under each) are left out
+            keep, prev_warn = [], False
+            for l in t.splitlines():
+                w = bool(_re_warnline.search(l)) or (prev_warn and l[:1].isspace())
+                if not w: keep.append(l)
+                prev_warn = w
+            t = '\n'.join(keep)
         return _fence(t, 'text') if t.strip() else ''
     if ot == 'error':
         tb = re.sub(r'\x1B\[[0-?]*[ -/]*[@-~]', '', '\n'.join(o.get('traceback', [])))
@@ -177,11 +184,15 @@ def _output_md(o, img_dir, img_rel, stem, n, entries, page):
         (img_dir/fn).write_bytes(base64.b64decode(_txt(data['image/png'])))
         alt = _txt(data.get('text/plain', 'output')).replace('[', '').replace(']', '').replace('\n', ' ')[:80]
         return f'![{alt}]({img_rel}/{fn})'
-    if 'text/markdown' in data: return _show_doc_md(_txt(data['text/markdown']), entries, page)
+    md = _txt(data.get('text/markdown', ''))
+    # show_doc gives Markdown only; other objects with both (fastprogress's tables) are shown by their HTML
+    if 'text/markdown' in data and ('text/html' not in data or '[source](' in md): return _show_doc_md(md, entries, page)
     if 'text/html' in data:
-        h = _txt(data['text/html']).strip()
+        # raw HTML for Python-Markdown: no blank line and no indentation, else parts of it become code blocks
+        lines = [l if '<pre' in _txt(data['text/html']) else l.strip() for l in _txt(data['text/html']).splitlines()]
+        h = '\n'.join(l for l in lines if l.strip())
         if not h: return ''
-        return f'<div class="nb-output nb-html" markdown="0">\n{h}\n</div>'
+        return f'<div class="nb-output nb-html">\n{h}\n</div>'
     if 'text/plain' in data: return _fence(_txt(data['text/plain']), 'text')
     return ''
 
