@@ -291,6 +291,8 @@ theme:
     - scheme: default
       primary: indigo
 extra_css: [assets/extra.css]
+extra:
+  generator: false
 plugins:
   - search
 markdown_extensions:
