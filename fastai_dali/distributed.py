@@ -4,7 +4,7 @@
 
 # %% ../nbs/03f_distributed.ipynb #c003
 from __future__ import annotations
-import os
+import hashlib, os
 import torch
 from fastcore.basics import *
 from fastai.torch_core import rank_distrib, num_distrib, to_detach, apply
@@ -34,15 +34,25 @@ def distributed(self:DaliDL, rank:int=None, world_size:int=None, device=None):
     "This loader for rank `rank` of `world_size` (default: this process's): its shard, on `device`, with rank 0's seed"
     rank,world = ifnone(rank, rank_distrib()),ifnone(world_size, num_distrib())
     if world <= 1 or (self.num_shards,self.shard_id) == (world,rank): return self
+    if self.dali_inputs() is None: raise ValueError("items that are not files cannot be sharded by DaliDL: use fastai's `DistributedDL`")
     device = ifnone(device, self.device)
     key = (rank, world, str(device))
     shards = self.__dict__.setdefault('_shards', {})
     if key not in shards:
-        _all_same('the loader (items, bs, drop_last, shuffle)', (len(self.dataset), self.bs, self.drop_last, self.shuffle))
+        items = hashlib.sha1('\n'.join(map(str, self._fl_names)).encode()).hexdigest()  # after `dali_inputs()`
+        _all_same('the loader (items, bs, drop_last, shuffle); a random split needs a seed (e.g. valid_pct with seed=)',
+                  (len(self.dataset), items, self.bs, self.drop_last, self.shuffle))
         seed = _rank0(self.seed)  # every shard draws rank 0's permutation
+        order = self._custom_order()  # an order fastai installed (e.g. `get_preds`' shuffled one): rank 0's for all
+        kw = {} if order is None else dict(get_idxs=_Constant(_rank0(order)))
         per_rank = max(1, self.num_threads // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
-        shards[key] = self.new(shard_id=rank, num_shards=world, seed=seed, device=device, num_threads=per_rank)
+        shards[key] = self.new(shard_id=rank, num_shards=world, seed=seed, device=device, num_threads=per_rank, **kw)
     return shards[key]
+
+class _Constant:
+    "A `get_idxs` that gives `order`"
+    def __init__(self, order): self.order = order
+    def __call__(self): return self.order
 
 def _rank0(value):
     "Rank 0's `value`, on every rank"
@@ -68,4 +78,5 @@ if DistributedTrainer is not None:
     @patch
     def _wrap_dl(self:DistributedTrainer, dl):
         "A `DaliDL` becomes this rank's shard; any other loader fastai's `DistributedDL`"
-        return dl.distributed(device=self.learn.model.device) if isinstance(dl, DaliDL) else _fastai_wrap_dl(self, dl)
+        if not isinstance(dl, DaliDL) or dl.dali_inputs() is None: return _fastai_wrap_dl(self, dl)  # e.g. a test_dl of PIL images
+        return dl.distributed(device=getattr(self.learn.model, 'device', None))

@@ -51,7 +51,10 @@ def _bad_file(msg, files, names=None):
     if not any(k in msg for k in ('decod', 'nvImageCodec', 'image', 'file', 'File')): return None
     bad = next((i for i,f in enumerate(files) if not file_decodes(f)), None)
     if bad is not None: return names[bad]
-    return next((names[i] for i,f in enumerate(files) if pil_problem(f)), None)
+    for i,f in enumerate(files):  # PIL's header check, file by file: cheap, as a whole dataset may be searched
+        try:
+            with Image.open(f) as im: im.verify()
+        except Exception: return names[i]
 
 def _why(f):
     "What is wrong with file `f`, as fastai (PIL) sees it"

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import itertools, warnings, weakref
 from types import MethodType
+import numpy as np
 from fastcore.basics import *
 from fastcore.foundation import L
 from fastcore.meta import delegates
@@ -42,7 +43,7 @@ class DaliDL(TfmdDL):
         self._seed_given = seed is not None  # several shards share a permutation only through a seed they were given
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
-        self._built,self._n_builds,self._order = None,0,None
+        self._built,self._n_builds,self._order,self._n_done = None,0,None,0
 
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
@@ -84,10 +85,13 @@ def shard_positions(m, bs, shard_id, num_shards):
         res += range(start, start+s)
     return res
 
-def shard_padded(idxs, k):
-    "`idxs` with its first items repeated at the end up to a multiple of `k` (at most `k-1` more)"
-    n_p = -(-len(idxs)//k)*k
-    return (list(idxs) * (n_p//max(len(idxs), 1) + 1))[:n_p] if idxs else []
+def shard_padded(idxs, k, seed=None):
+    "`idxs` with items repeated at the end up to a multiple of `k` (at most `k-1` more): its first ones, or drawn with `seed`"
+    idxs = list(idxs)
+    need = -len(idxs) % k
+    if not idxs or not need: return idxs
+    if seed is None: return (idxs * (need//len(idxs) + 2))[:len(idxs)+need]
+    return idxs + [idxs[i] for i in np.random.default_rng(seed).choice(len(idxs), need, replace=need > len(idxs))]
 
 @patch
 def __len__(self:DaliDL):
@@ -155,7 +159,9 @@ def augment_seed(seed, shard_id=0):
 def _reader_seed(self:DaliDL, seed):
     "The reader's permutation seed: every shard must draw the same permutation, so with several shards only a seed they were given, never advanced by rebuilds (which one shard may do alone); `None`: DALI's fixed one"
     if self.num_shards == 1: return seed
-    return self.seed if self._seed_given else None
+    # a shard's rebuild restarts DALI's epochs: so each epoch's permutation comes from the epochs this loader ran to their
+    # end (the same count on every shard, whatever one of them abandoned), and a shuffled shard is rebuilt every epoch
+    return self.seed + self._n_done if self._seed_given else None
 
 # %% ../nbs/03e_loader.ipynb #c018
 class _Live: pass
@@ -210,7 +216,8 @@ def _build(self:DaliDL):
     self._check_jpeg_ends()
     shard_id,num_shards,gather_n = self.shard_id,self.num_shards,None
     if source is None and num_shards > 1:  # equal shares (see "Shards")
-        gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards)
+        # shuffled: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
+        gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards, self._reader_seed(seed) if shuffle else None)
         if not shuffle:  # this shard's own items, in gathering order; DALI reads them as one shard
             idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, self.bs, shard_id, num_shards)]
             shard_id,num_shards = 0,1
@@ -249,6 +256,8 @@ def _ready(self:DaliDL):
     "The pipeline for a new epoch: the built one while its transforms and settings hold and its last epoch ended (or an abandoned one could end early), else a new one"
     b = self._built
     if b is not None and b.signature != self._signature(): b = None
+    # a shuffled shard with a given seed draws each epoch's permutation from the epoch count: a new pipeline each epoch
+    if b is not None and self.num_shards > 1 and self._seed_given and self.shuffle and self._order is None and (b.epoch or b.in_epoch): b = None
     if b is not None and b.in_epoch and not b.being_iterated() and not b.end_early(): b = None
     return b if b is not None and not b.in_epoch else self._build()
 
@@ -283,6 +292,7 @@ def __iter__(self:DaliDL):
     b = self._ready()
     token = b.start_epoch()  # stays in epoch if the consumer abandons it: the next epoch ends it early or rebuilds
     yield from self._epoch_batches(b)
+    self._n_done += 1  # epochs run to their end: the same count on every shard, whatever one of them abandoned
     if self._built is b: b.finish_epoch()  # unless another pass replaced the pipeline meanwhile
     self.after_iter()
 
@@ -290,8 +300,9 @@ def __iter__(self:DaliDL):
 def _epoch_batches(self:DaliDL, b:BuiltPipeline):
     "The fastai batches of one epoch of `b`, the padding DALI adds trimmed"
     left = len(self)*self.bs if self.drop_last else self._shard_n()
-    if self._order is not None and self.num_shards == 1:  # a replaced `get_idxs` may give fewer items
-        left = min(left, len(self._order)//self.bs*self.bs if self.drop_last else len(self._order))
+    if self._order is not None:  # a replaced `get_idxs` may give fewer items: each shard's share of them
+        m = -(-len(self._order)//self.num_shards)
+        left = min(left, m//self.bs*self.bs if self.drop_last else m)
     pos = 0  # gathered from every shard, the batches so far held the items up to `pos`
     while True:
         try: d = next(b.it)

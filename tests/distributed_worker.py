@@ -72,13 +72,18 @@ def loader_checks(root, rank, world):
                             after_item=[ToTensor()], after_batch=[IntToFloatTensor()]).distributed()
                 orders = []
                 for ep in range(3):
-                    per_rank = gather([ids_of(x) for x,_ in dl])
+                    per_rank,trimmed = [],[]
+                    for x,_ in dl:  # fastai gathers each batch from every rank (`to_detach`), the padding dropped
+                        per_rank.append(ids_of(x)); trimmed += dl.to_detach(torch.tensor(ids_of(x))).tolist()
+                    per_rank = gather(per_rank)
                     orders.append(gathered_in_order(per_rank))
+                    if not shuffle and not drop_last: assert trimmed == ids, (n, trimmed, ids)
                     assert len({len(b) for b in per_rank}) == 1, (n, shuffle, drop_last, [len(b) for b in per_rank])
                     if shuffle: check_train_epoch(per_rank, ids, world, drop_last)
-                    elif not drop_last:
+                    else:  # batch j of every rank in rank order, then batch j+1...: the items in order
                         got = gathered_in_order(per_rank)
-                        assert got[:n] == ids and len(got) - n < world, (n, got, ids)
+                        assert got[:n] == ids[:len(got)] and len(got) - min(len(got), n) < world, (n, got, ids)
+                        if not drop_last: assert len(got) >= n, (n, got, ids)
                 # a new permutation each epoch (with 8+ items two equal ones would be a 1-in-20,000 accident)
                 if shuffle and n >= 8: assert orders[0] != orders[1] != orders[2], (n, drop_last, orders)
                 n_checked += 1

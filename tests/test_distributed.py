@@ -9,7 +9,7 @@ HERE = Path(__file__).parent
 pytest.importorskip('accelerate', reason="fastai's distributed training needs accelerate (the dev extra installs it)")
 
 def launch(cmd, tmp_path, timeout=600):
-    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=7),tmp_path/'out'
+    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=11),tmp_path/'out'
     out.mkdir()
     env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
     r = subprocess.run([*cmd, str(HERE/'distributed_worker.py'), str(root), str(out)], capture_output=True, text=True,
@@ -32,7 +32,7 @@ def test_two_nodes(tmp_path):
     "Two launchers of one process each, as on two machines: RANK and LOCAL_RANK differ"
     import socket
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=7),tmp_path/'out'
+    root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=11),tmp_path/'out'
     out.mkdir()
     env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
     cmd = lambda node: [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--node_rank', str(node),

@@ -6,8 +6,8 @@ each delivered sample says which item it is twice: through its pixels and throug
 - every shard delivers the same number of batches, `len(dl)` (a distributed run synchronizes at every batch);
 - valid (no shuffle, no drop_last): batch j of every shard, gathered in shard order, then batch j+1..., are fastai's
   valid order exactly once the padding at the end (at most `num_shards-1` items) is dropped;
-- train (shuffle, drop_last): full batches of training items; with the padding (the first items repeated, at most
-  `num_shards-1`), no item comes more than twice, and without drop_last every item comes; the same holds for a
+- train (shuffle, drop_last): full batches of training items; with the padding (items repeated, at most
+  `num_shards-1` repeats in all), and without drop_last every item comes; the same holds for a
   second epoch (nothing leaks from the first);
 - every sample's pixels and label name the same item.
 The training order follows the loader's seed: rebuilt with the same seed the shards deliver the same first epoch,
@@ -83,8 +83,7 @@ def test_exactly_once(items, n, bs, k, shuffle, drop_last, seed):
             assert len(sizes) == len(d.train) == len(shards[0].train)
             if d.train.drop_last: assert all(s == bs for s in sizes)
             seen += px
-        counts = np.bincount(seen, minlength=N_MAX) if seen else np.zeros(1, int)
-        assert set(seen) <= train and counts.max(initial=0) <= 2 and len(seen) - len(set(seen)) < k, (n, bs, k, shuffle, drop_last, ep)
+        assert set(seen) <= train and len(seen) - len(set(seen)) < k, (n, bs, k, shuffle, drop_last, ep)
         if not drop_last:   # every training item, the padding once more
             assert set(seen) == train and len(seen) == -(-len(train)//k)*k, (n, bs, k, shuffle, ep)
         if ep == 0: first = seen
