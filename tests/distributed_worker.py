@@ -6,7 +6,9 @@
    path); per epoch the ranks run the same number of batches and see every training item, at most `world-1` twice;
    the gathered `get_preds` are the single-process ones, in dataset order.
 2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 3 epochs.
-3. Ranks that disagree (a different batch size) get a clear error on every rank instead of a hang.
+3. Masks and multi-label targets of an unshuffled loader, gathered from every rank (`to_detach`): the single-process
+   ones, in dataset order.
+4. Ranks that disagree (a different batch size) get a clear error on every rank instead of a hang.
 Each rank writes OUT/rank<r>.json; any failed check ends the rank with an error (non-zero exit status).
 """
 import json, os, sys, warnings
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np, torch, torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 warnings.filterwarnings('ignore')
-from conftest import make_id_folder, ids_of, id_of, IdNet, IdLoss, plain
+from conftest import make_id_folder, ids_of, id_of, cls_of, IdNet, IdLoss, plain
 from fastai.vision.all import (Learner, Callback, Datasets, PILImage, parent_label, Categorize, ToTensor, IntToFloatTensor,
                                get_image_files)
 from fastai_dali.all import *
@@ -89,6 +91,33 @@ def loader_checks(root, rank, world):
                 n_checked += 1
     return dict(loaders=n_checked)
 
+def target_checks(root, rank, world):
+    from PIL import Image
+    from fastai.vision.all import DataBlock, ImageBlock, MaskBlock, MultiCategoryBlock, FuncSplitter
+    files = sorted(get_image_files(root/'valid'), key=id_of)
+    items = sorted(get_image_files(root/'train'), key=id_of)[:3] + files  # a small training split, all of valid
+    is_valid = lambda f: f.parent.parent.name == 'valid'
+    mdir = root.parent/f'masks{rank}'; mdir.mkdir(exist_ok=True)
+    for f in items: Image.fromarray(np.full((8, 8), id_of(f) % 7, np.uint8)).save(mdir/f'{f.stem}.png')
+    def gathered(dl):
+        "Every batch gathered from every rank as fastai does, the padding dropped: (ids, targets)"
+        ids,ys = [],[]
+        for x,y in dl: ids += dl.to_detach(torch.tensor(ids_of(x))).tolist(); ys.append(dl.to_detach(y))
+        return ids,torch.cat(ys)
+    valid = [id_of(f) for f in files]
+    blk = DataBlock(blocks=(ImageBlock, MaskBlock(codes=list(range(7)))), get_items=lambda _: items,
+                    get_y=lambda f: mdir/f'{f.stem}.png', splitter=FuncSplitter(is_valid))
+    dls = blk.dali_dataloaders(None, bs=3, device='cpu', num_threads=1)
+    ids,masks = gathered(dls.valid.distributed())
+    assert ids == valid and plain(masks).flatten(1).tolist() == [[i % 7]*64 for i in valid], (ids, valid)
+    blk = DataBlock(blocks=(ImageBlock, MultiCategoryBlock), get_items=lambda _: items,
+                    get_y=lambda f: [cls_of(id_of(f)), 'odd' if id_of(f) % 2 else 'even'], splitter=FuncSplitter(is_valid))
+    dls = blk.dali_dataloaders(None, bs=3, device='cpu', num_threads=1)
+    single = torch.cat([plain(y) for _,y in dls.valid])  # this process alone, all items
+    ids,ys = gathered(dls.valid.distributed())
+    assert ids == valid and torch.equal(plain(ys), single), (ids, valid)
+    return dict(targets_checked=len(valid))
+
 def mismatch_checks(root, rank, world):
     ds = Datasets(get_image_files(root/'train')[:8], [[PILImage.create], [parent_label, Categorize()]])
     dl = DaliDL(ds, bs=3+rank, device='cpu', num_threads=1, after_item=[ToTensor()], after_batch=[IntToFloatTensor()])
@@ -104,6 +133,7 @@ if __name__ == '__main__':
     res = dict(rank=rank, world=world, local_rank=int(os.environ['LOCAL_RANK']))
     res.update(learner_checks(root, rank, world))   # distrib_ctx initializes the process group (accelerate)
     res.update(loader_checks(root, rank, world))
+    res.update(target_checks(root, rank, world))
     res.update(mismatch_checks(root, rank, world))
     (out/f'rank{rank}.json').write_text(json.dumps(res))
     dist.barrier()
