@@ -157,7 +157,7 @@ def augment_seed(seed, shard_id=0):
 # %% ../nbs/03e_loader.ipynb #c017
 @patch
 def _reader_seed(self:DaliDL, seed):
-    "The reader's permutation seed: every shard must draw the same permutation, so with several shards only a seed they were given, never advanced by rebuilds (which one shard may do alone); `None`: DALI's fixed one"
+    "The reader's permutation seed: with several shards, the same on every shard: the seed they were given plus the epochs run to their end (never a rebuild count, which one shard may advance alone); `None`: DALI's fixed one"
     if self.num_shards == 1: return seed
     # a shard's rebuild restarts DALI's epochs: so each epoch's permutation comes from the epochs this loader ran to their
     # end (the same count on every shard, whatever one of them abandoned), and a shuffled shard is rebuilt every epoch
@@ -203,31 +203,31 @@ def _build(self:DaliDL):
     split_idx = getattr(self.dataset, 'split_idx', None)
     # a rebuilt pipeline draws new permutations and augmentations, reproducibly
     seed,kw = self.seed+self._n_builds,{}
-    if masks is not None and (isinstance(src, PythonSource) or any(f is python_item_tfm for _,f in plan.items)):
+    if masks is not None and (isinstance(src, PythonSource) or any(tr.f is python_item_tfm for _,tr in plan.items)):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
+    shard_id,num_shards,gather_n,reader_seed = self.shard_id,self.num_shards,None,self._reader_seed(seed)
     if isinstance(src, PythonSource):
-        if self.num_shards > 1: raise NotImplementedError(
+        if num_shards > 1: raise NotImplementedError(
             "DaliDL shards image files (DALI's reader), not the bytes a `get_x` returns: with several processes, give the "
             "DataBlock a `get_x` that returns each item's file path, or train this dataset in one process")
         files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if shuffle else idxs, seed, EpochFlag())
         kw = python_workers_kwargs(source, self.py_workers)
-    else: files,labels,source = [src[i] for i in idxs],idxs,None
+    else:
+        if num_shards > 1:  # equal shares (see "Shards")
+            # shuffled: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
+            gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards, reader_seed if shuffle else None)
+            if not shuffle:  # this shard's own items, in gathering order; DALI reads them as one shard
+                idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, self.bs, shard_id, num_shards)]
+                shard_id,num_shards = 0,1
+        files,labels,source = [src[i] for i in idxs],idxs,None
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
     self._check_jpeg_ends()
-    shard_id,num_shards,gather_n = self.shard_id,self.num_shards,None
-    if source is None and num_shards > 1:  # equal shares (see "Shards")
-        # shuffled: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
-        gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards, self._reader_seed(seed) if shuffle else None)
-        if not shuffle:  # this shard's own items, in gathering order; DALI reads them as one shard
-            idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, self.bs, shard_id, num_shards)]
-            shard_id,num_shards = 0,1
-        files,labels,names = [src[i] for i in idxs],idxs,[self._fl_names[i] for i in idxs]
     mfiles = None if masks is None else [masks[i] for i in idxs]
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
                            seed=augment_seed(seed, self.shard_id),
-                           prefetch_queue_depth=self.prefetch, reader_seed=self._reader_seed(seed), hw_decoder_load=self.hw_decoder_load,
+                           prefetch_queue_depth=self.prefetch, reader_seed=reader_seed, hw_decoder_load=self.hw_decoder_load,
                            mask_files=mfiles, **kw)
     track_pipeline(pipe)
     # Always PARTIAL: DALI reads every shard to its end each epoch (DROP keeps shards in lock-step at the smallest one
@@ -313,8 +313,7 @@ def _epoch_batches(self:DaliDL, b:BuiltPipeline):
             if isinstance(e, RuntimeError) and 'Critical error' in str(e): raise dali_read_error(e, b.files, b.names) from None
             raise
         x = self._to_fastai(d[0], b.plan)
-        # a Python source pads its last batch to full size, and DALI keeps shards in lock-step, so a shard whose share
-        # ended early gets batches of padding: trim them (drain, but never yield an empty batch)
+        # a Python source pads its last batch to full size: trim it (drain, but never yield an empty batch)
         k = min(len(x[0]), left)
         left -= k
         if not k: continue

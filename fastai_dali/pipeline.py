@@ -21,9 +21,8 @@ class DaliPlan:
     def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False):
         store_attr('mode,exact_resize_crop')
         item_tfms,batch_tfms = L(item_tfms),L(batch_tfms)
-        self.translations = item_tfms.map(item_translation)  # the `ItemTranslation` of each item transform
-        self.items = L(zip(item_tfms, self.translations.attrgot('f')))  # (item transform, its translation function)
-        on_cpu = [tr.python(t) for t,tr in zip(item_tfms, self.translations)]
+        self.items = L(zip(item_tfms, item_tfms.map(item_translation)))  # (item transform, its `ItemTranslation`)
+        on_cpu = [tr.python(t) for t,tr in self.items]
         self.python = any(on_cpu)  # a Python step: the images are decoded on the CPU
         self.n_cpu = max([i+1 for i,p in enumerate(on_cpu) if p], default=0)  # item steps up to the last Python one
         self.out = OutputSpec(1 if mode=='L' else 3)
@@ -51,9 +50,9 @@ class DaliPlan:
         return DaliGraph(train=train, gpu=False, mode='L', is_mask=True, rand=images.rand, out=OutputSpec(1), **kw)
 
     def _item_steps(self, img, g):
-        for i,((t,f),tr) in enumerate(zip(self.items, self.translations)):
+        for i,(t,tr) in enumerate(self.items):
             if not tr.keeps_crop: img = g.out.flush_crop(img)
-            img = f(t, img, g)
+            img = tr.f(t, img, g)
             if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU
         return img
 
