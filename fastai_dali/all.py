@@ -17,7 +17,8 @@ from .sources import *
 from .loader import *
 from .distributed import *
 from .data import *
+from .training import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data
-__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data) for n in m.__all__]
+from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training
+__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training) for n in m.__all__]

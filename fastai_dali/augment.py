@@ -72,7 +72,22 @@ def _dihedral_item(tfm, img, g):
     return fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
 
 # %% ../nbs/01b_augment.ipynb #c013
-@dali_item_tfm(RandomResizedCrop)
+def _rrc_window(tfm, g, shape):
+    "fastai's `RandomResizedCrop` window (area `min_scale..max_scale`, log-uniform `ratio`, 10 tries), once per graph"
+    # seeded by the graph, so that decoding the window only (`_rrc_decode`) draws the windows decoding whole images does
+    return g.cached(tfm, 'window', lambda: fn.random_crop_generator(
+        shape, random_area=[tfm.min_scale, tfm.max_scale], random_aspect_ratio=list(tfm.ratio), seed=g.op_seed()))
+
+def _rrc_decode(tfm, g):
+    "Training: decode only the window (`fn.decoders.image_slice`), then resize; None on the validation split"
+    if not g.train: return None
+    (w,h),(anchor,shape) = tfm.size,_rrc_window(tfm, g, g.peek)
+    g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), '
+                          f'fn.decoders.image_slice (decodes the window only), fn.resize to {h}x{w}')
+    img = g.decode('image_slice', anchor, shape, axes=[0,1])
+    return fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True)
+
+@dali_item_tfm(RandomResizedCrop, decode=_rrc_decode)
 def _random_resized_crop(tfm, img, g):
     w,h = tfm.size
     kw = dict(interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
@@ -82,8 +97,7 @@ def _random_resized_crop(tfm, img, g):
         g.out.crop = (h, w, 0.5, 0.5)
         return fn.resize(img, size=[h+xtra, w+xtra], **kw)
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), fn.slice, fn.resize to {h}x{w}')
-    anchor,shape = g.cached(tfm, 'window', lambda: fn.random_crop_generator(
-        g.shape(img), random_area=[tfm.min_scale, tfm.max_scale], random_aspect_ratio=list(tfm.ratio)))
+    anchor,shape = _rrc_window(tfm, g, g.shape(img))
     img = fn.slice(img, anchor, shape, axes=[0,1])
     return fn.resize(img, size=[h,w], **kw)
 

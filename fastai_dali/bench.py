@@ -177,13 +177,13 @@ def serial_bound(model_img_s, loader_img_s):
     "Training img/s if every image costs the model's time plus the loader's (no overlap)"
     return 1/(1/model_img_s + 1/loader_img_s)
 
-def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True):
-    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last)"
+def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True, cbs=()):
+    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`"
     learn = Learner(dls, create_vision_model(arch, n_out, pretrained=False), loss_func=CrossEntropyLossFlat())
     if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
     elif bf16: learn.to_bf16()
     t = _TrainTimer()
-    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=t)
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
     return t.img_s
 
 def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=True, device='cuda'):
@@ -299,6 +299,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
                                    RandomResizedCrop)
     import fastai, nvidia.dali, platform
     from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.training import DeviceLossCallback
     S = set(SECTIONS if sections in ('all', ['all'], ('all',)) else sections)
     if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
     if not aug: S -= {'augment', 'augment-steps'}
@@ -345,6 +346,11 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         L['raw DALI aug (hand-written)'] = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True, pipeline=raw_dali_aug_pipeline)
         L['DaliDataLoaders train + aug_transforms()'] = lambda: dls_aug.train
         L['DaliDataLoaders train, RandomResizedCrop + aug_transforms()'] = lambda: dls_rrc.train
+        # RandomResizedCrop alone, against `Resize` alone ('DaliDataLoaders train'): decoding only the window, or the whole image
+        rrc = {roi: DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35), batch_tfms=norm, bs=bs,
+                                                device=device, roi_decode=roi) for roi in (True, False)}
+        if 'throughput' not in S: L['DaliDataLoaders train'] = lambda: dls.train
+        for roi in (True, False): L[f'DaliDataLoaders train, RandomResizedCrop, roi_decode={roi}'] = (lambda d: lambda: d.train)(rrc[roi])
     idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
     if 'throughput' in S:
         for w in workers: L[f'ImageDataLoaders train ({w} workers)'] = (lambda d: lambda: d.train)(idls[w])
@@ -376,6 +382,9 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
                   f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs),
                   'plain PyTorch loop, synthetic batches': torch_loop_throughput(sdl, arch, dls.c, epochs=epochs, device=device),
                   'plain PyTorch loop, DaliDataLoaders': torch_loop_throughput(dls.train, arch, dls.c, epochs=epochs, device=device)}
+        # fastai's smoothed loss on the GPU (`DeviceLossCallback`): no host sync per batch, in both
+        fit[a]['model only, DeviceLossCallback'] = fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs, cbs=[DeviceLossCallback()])
+        fit[a]['DaliDataLoaders, DeviceLossCallback'] = fit_throughput(dls, arch, dls.c, epochs=epochs, cbs=[DeviceLossCallback()])
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
@@ -399,12 +408,20 @@ def throughput_targets(res, gpu, W):
             _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12,
                     'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl) if dec else '')
         elif idl: _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 2.0)
+    if (v := g('DaliDataLoaders train, RandomResizedCrop, roi_decode=True')) is not None:
+        off,rs = g('DaliDataLoaders train, RandomResizedCrop, roi_decode=False'),g('DaliDataLoaders train')
+        _target(t, 'RandomResizedCrop: window decode / whole decode', v/off, 1.0)
+        if gpu: _target(t, 'RandomResizedCrop (the faster decode) / Resize', max(v, off)/rs, 1.0)
     if (v := g('DaliDataLoaders train, get_x -> bytes (external_source)')) is not None:
         _target(t, 'external_source (get_x -> bytes) / raw DALI', v/raw, 0.9)
-    if 'resnet18' in res['fit_img_s']:
-        f = res['fit_img_s']['resnet18']
-        _target(t, 'learn.fit resnet18: DaliDataLoaders / model-only', f['DaliDataLoaders']/f['model only (synthetic batches on the GPU)'], 0.85)
-        _target(t, 'learn.fit resnet18: DaliDataLoaders / ImageDataLoaders', f['DaliDataLoaders']/f[f'ImageDataLoaders ({W} workers)'], 5)
+    for a,goal in (('resnet18', 0.9), ('resnet50', 0.95)):
+        if a not in res['fit_img_s']: continue
+        f = res['fit_img_s'][a]
+        _target(t, f'learn.fit {a}: DaliDataLoaders / model-only', f['DaliDataLoaders']/f['model only (synthetic batches on the GPU)'], goal)
+        if 'DaliDataLoaders, DeviceLossCallback' in f:
+            _target(t, f'learn.fit {a}, DeviceLossCallback: DaliDataLoaders / model-only', f['DaliDataLoaders, DeviceLossCallback']/f['model only, DeviceLossCallback'], goal)
+            _target(t, f'learn.fit {a}: DaliDataLoaders with DeviceLossCallback / without', f['DaliDataLoaders, DeviceLossCallback']/f['DaliDataLoaders'], 1.0)
+        _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders', f['DaliDataLoaders']/f[f'ImageDataLoaders ({W} workers)'], 5)
     if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
     return t

@@ -23,16 +23,16 @@ from .items import *
 from .sources import *
 
 # %% auto #0
-__all__ = ['DaliDL', 'shard_positions', 'shard_padded', 'augment_seed', 'BuiltPipeline']
+__all__ = ['DaliDL', 'shard_positions', 'shard_padded', 'augment_seed', 'BuiltPipeline', 'PipelineCache']
 
 # %% ../nbs/03e_loader.ipynb #c005
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,exact_resize_crop'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,exact_resize_crop,roi_decode'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
                  shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0,
-                 exact_resize_crop:bool=False, **kwargs):
+                 exact_resize_crop:bool=False, roi_decode:bool=None, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
@@ -44,6 +44,7 @@ class DaliDL(TfmdDL):
         if seed is None: seed = self.rng.randint(0, 2**31-1)
         store_attr(self._dali_args)
         self._built,self._n_builds,self._order,self._n_done = None,0,None,0
+        self._pipes = PipelineCache()
 
     def new(self, dataset=None, cls=None, **kwargs):
         "Create a new loader with `kwargs` replacing this one's (DALI settings included)"
@@ -51,12 +52,13 @@ class DaliDL(TfmdDL):
         given = kwargs.get('seed') is not None or self._seed_given
         if issubclass(cls, DaliDL): kwargs = merge({k:getattr(self,k) for k in self._dali_args}, kwargs)
         res = super().new(dataset, cls, **kwargs)
-        if isinstance(res, DaliDL): res._seed_given = given
+        # the loaders made from this one (fastai's `get_preds`, `tta`, a `test_dl`, a shard) share its built pipelines
+        if isinstance(res, DaliDL): res._seed_given,res._pipes = given,self.pipelines
         return res
 
     def __getstate__(self):
         # A built pipeline holds threads and device memory: it is rebuilt after unpickling
-        d = self.__dict__.copy(); d['_built'],d['_tgt_on'] = None,{}
+        d = self.__dict__.copy(); d['_built'],d['_tgt_on'],d['_pipes'] = None,{},None
         for k in ('_shards', '_gathered'): d.pop(k, None)  # a distributed run's per-rank loaders and batch state
         return d
 
@@ -68,6 +70,11 @@ class DaliDL(TfmdDL):
     def n_builds(self):
         "How many DALI pipelines this loader has built"
         return self._n_builds
+    @property
+    def pipelines(self):
+        "The `PipelineCache` this loader shares with the loaders `new` makes from it"
+        if getattr(self, '_pipes', None) is None: self._pipes = PipelineCache()  # (after unpickling)
+        return self._pipes
 
 # %% ../nbs/03e_loader.ipynb #c008
 @patch
@@ -131,13 +138,17 @@ def _targets_on(self:DaliDL, device):
 
 @patch
 def _plan(self:DaliDL):
-    return DaliPlan(self.after_item.fs, self.after_batch.fs, mode=pil_mode(self.dataset), exact_resize_crop=self.exact_resize_crop)
+    return DaliPlan(self.after_item.fs, self.after_batch.fs, mode=pil_mode(self.dataset), exact_resize_crop=self.exact_resize_crop,
+                    roi_decode=self.roi_decode)
 
 @patch
 def _signature(self:DaliDL):
+    # all a loader made by `new` may change (its pipeline is shared through `pipelines`); the split decides which
+    # augmentations run (`tta` sets the validation set's `split_idx` to 0)
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
-            self.shuffle, self.drop_last, id(self.dataset), self.exact_resize_crop, self.num_threads, self.prefetch,
-            self.hw_decoder_load, self.seed, self._order)
+            self.shuffle, self.drop_last, id(self.dataset), getattr(self.dataset, 'split_idx', None), self.exact_resize_crop,
+            self.num_threads, self.prefetch, self.hw_decoder_load, self.seed, self.shard_id, self.num_shards,
+            self.py_workers, self.roi_decode, self._order)
 
 # %% ../nbs/03e_loader.ipynb #c013
 @patch
@@ -168,7 +179,8 @@ class _Live: pass
 
 class BuiltPipeline:
     "A loader's DALI pipeline and iterator, with what they were built from and the epochs they ran: kept or dropped as a unit"
-    def __init__(self, pipeline, it, plan, log, signature, files, names, source=None, gather_n=None):
+    def __init__(self, pipeline, it, plan, log, signature, files, names, source=None, gather_n=None, dataset=None):
+        # `dataset` (and `plan`, holding the transforms) stay alive with it, so the ids in `signature` stay theirs
         store_attr(); self.epoch,self.in_epoch,self._live = 0,False,None
     def start_epoch(self):
         "Mark an epoch begun; keep the returned token alive while it is iterated"
@@ -189,11 +201,32 @@ class BuiltPipeline:
         self.finish_epoch()
         return True
 
+# %% ../nbs/03e_loader.ipynb #c018b
+class PipelineCache:
+    "The `BuiltPipeline`s of a loader and of the loaders `new` makes from it, by signature: the `size` used last"
+    def __init__(self, size=4): self.size,self.kept,self.n_builds = size,{},0
+    def get(self, signature):
+        "The kept pipeline built with `signature`, or None"
+        b = self.kept.pop(signature, None)
+        if b is not None: self.kept[signature] = b  # used last
+        return b
+    def add(self, b):
+        "Keep `b` (in place of one of the same signature), dropping the one used longest ago beyond `size`; count a build"
+        self.kept.pop(b.signature, None); self.kept[b.signature] = b
+        while len(self.kept) > self.size: self.kept.pop(next(iter(self.kept)))
+        self.n_builds += 1
+        return b
+    def drop(self, b):
+        "Forget `b` (a failed pipeline cannot run again)"
+        if b is not None and self.kept.get(b.signature) is b: del self.kept[b.signature]
+    def __len__(self): return len(self.kept)
+    def __iter__(self): return iter(list(self.kept.values()))
+
 # %% ../nbs/03e_loader.ipynb #c019
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
-    self._release()
+    self._built = None  # this loader's last one goes now, unless `pipelines` keeps it for other settings
     src,targets = self.dali_inputs()
     masks = next((t for t in targets if isinstance(t, MaskFiles)), None)
     # the reader's label is the item index; an order fastai or a callback installed is read unshuffled
@@ -201,8 +234,9 @@ def _build(self:DaliDL):
     idxs = list(order) if order is not None else list(range(len(src))) if shuffle else list(self.get_idxs())
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
-    # a rebuilt pipeline draws new permutations and augmentations, reproducibly
-    seed,kw = self.seed+self._n_builds,{}
+    # a rebuilt pipeline draws new permutations and augmentations, reproducibly; counted over the loaders that share
+    # `pipelines`, so that each of `tta`'s passes (a new loader each) draws its own augmentations, as fastai's do
+    seed,kw = self.seed+self.pipelines.n_builds,{}
     if masks is not None and (isinstance(src, PythonSource) or any(tr.f is python_item_tfm for _,tr in plan.items)):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     shard_id,num_shards,gather_n,reader_seed = self.shard_id,self.num_shards,None,self._reader_seed(seed)
@@ -242,7 +276,8 @@ def _build(self:DaliDL):
     finally:
         if source is not None:  # written and read while the iterator builds the pipeline (workers attached): gone now
             source.drop_file(); source.flag.unlink()
-    self._built = BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source, gather_n)
+    self._built = self.pipelines.add(BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source, gather_n,
+                                                   self.dataset))
     self._n_builds += 1
     return self._built
 
@@ -253,17 +288,20 @@ def _workers_failed_msg(n):
 
 @patch
 def _ready(self:DaliDL):
-    "The pipeline for a new epoch: the built one while its transforms and settings hold and its last epoch ended (or an abandoned one could end early), else a new one"
-    b = self._built
-    if b is not None and b.signature != self._signature(): b = None
+    "The pipeline for a new epoch: the built one (or one `pipelines` kept) while its transforms and settings hold and its last epoch ended (or an abandoned one could end early), else a new one"
+    sig = self._signature()
+    b = self._built if self._built is not None and self._built.signature == sig else self.pipelines.get(sig)
     # a shuffled shard with a given seed draws each epoch's permutation from the epoch count: a new pipeline each epoch
     if b is not None and self.num_shards > 1 and self._seed_given and self.shuffle and self._order is None and (b.epoch or b.in_epoch): b = None
     if b is not None and b.in_epoch and not b.being_iterated() and not b.end_early(): b = None
-    return b if b is not None and not b.in_epoch else self._build()
+    if b is None or b.in_epoch: return self._build()
+    self._built = b
+    return b
 
 @patch
 def _release(self:DaliDL):
-    "Drop the pipeline: nothing else refers to it, so its threads and buffers go at once"
+    "Drop the pipeline (e.g. a failed one), also from `pipelines`: nothing else refers to it, so its threads and buffers go at once"
+    self.pipelines.drop(self._built)
     self._built = None
 
 # %% ../nbs/03e_loader.ipynb #c021
@@ -332,5 +370,6 @@ def dali_report(self:DaliDL):
         return pd.DataFrame([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')],
                             columns=['stage', 'transform', 'how', 'detail'])
     self._order = self._custom_order()
-    b = self._built if self._built is not None and self._built.signature == self._signature() else self._build()
+    sig = self._signature()
+    b = self._built if self._built is not None and self._built.signature == sig else self.pipelines.get(sig) or self._build()
     return pd.DataFrame(b.plan.report(b.log), columns=['stage', 'transform', 'how', 'detail'])

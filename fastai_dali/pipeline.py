@@ -18,8 +18,8 @@ __all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline']
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
     "Translation of a loader's `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
-    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False):
-        store_attr('mode,exact_resize_crop')
+    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False, roi_decode=None):
+        store_attr('mode,exact_resize_crop,roi_decode')
         item_tfms,batch_tfms = L(item_tfms),L(batch_tfms)
         self.items = L(zip(item_tfms, item_tfms.map(item_translation)))  # (item transform, its `ItemTranslation`)
         on_cpu = [tr.python(t) for t,tr in self.items]
@@ -43,21 +43,30 @@ class DaliPlan:
             details.append(res.detail)
         return details
 
-    def graph(self, train, gpu, decoded, peek, images=None):
-        "The `DaliGraph` of the images `decoded` (shapes `peek`, from the files), or of their masks given the `images`' graph"
+    def graph(self, train, gpu, decoded=None, peek=None, images=None, decoder=None):
+        "The `DaliGraph` of the images `decoded`, or decoded by `decoder` (shapes `peek`, from the files), or of their masks given the `images`' graph"
         kw = dict(decoded=decoded, peek=peek, exact_resize_crop=self.exact_resize_crop)
-        if images is None: return DaliGraph(train=train, gpu=gpu, mode=self.mode, out=self.out, **kw)
+        # a first step may decode only what it needs (`ItemTranslation.decode`); by default on DALI's CPU backend, where
+        # it was measured (`roi_decode`; docs/results/README.md, "Augmentations")
+        roi = ifnone(self.roi_decode, not gpu)
+        if images is None: return DaliGraph(train=train, gpu=gpu, mode=self.mode, out=self.out, decoder=decoder, roi_decode=roi, **kw)
         return DaliGraph(train=train, gpu=False, mode='L', is_mask=True, rand=images.rand, out=OutputSpec(1), **kw)
 
     def _item_steps(self, img, g):
+        "The item translations on `img`, or on the encoded images of `g` when `img` is None"
         for i,(t,tr) in enumerate(self.items):
-            if not tr.keeps_crop: img = g.out.flush_crop(img)
-            img = tr.f(t, img, g)
+            # the first step may decode the encoded images itself (only a crop window, say); else they are decoded whole
+            first = None if img is not None or tr.decode is None or not g.roi_decode else tr.decode(t, g)
+            if first is not None: img = first
+            else:
+                if img is None: img = g.decode()
+                if not tr.keeps_crop: img = g.out.flush_crop(img)
+                img = tr.f(t, img, g)
             if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU
-        return img
+        return g.decode() if img is None else img
 
     def __call__(self, img, g):
-        "Apply the item translations, the batch stages and the output op to the images `img`, in `g` (from `graph`)"
+        "Apply the item translations, the batch stages and the output op to the images `img` (None: `g`'s encoded ones), in `g` (from `graph`)"
         if g.out is not self.out: raise ValueError("`g` is not this plan's images' graph: make it with `plan.graph`")
         img = self._item_steps(img, g)
         stages = [s for s in self.out.stages if s.runs(g)]  # a training-only stage is skipped, with the crop flush it needs
@@ -110,9 +119,11 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     # 0.000, at no cost in throughput (H200, docs/results/README.md, "Resize window")
     dkw = dict(jpeg_fancy_upsampling=True) if mixed else {}
     if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
-    img = fn.decoders.image(jpegs, device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False, **dkw)
-    g = plan.graph(train, gpu, decoded=img, peek=fn.peek_image_shape(jpegs, adjust_orientation=False))
-    img = plan(img, g)
+    dkw.update(device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False)
+    # the plan decodes: the whole images (`fn.decoders.image`), or its first step only the part it needs
+    decoder = lambda op, *inputs, **kw: getattr(fn.decoders, op)(jpegs, *inputs, **dkw, **kw)
+    g = plan.graph(train, gpu, peek=fn.peek_image_shape(jpegs, adjust_orientation=False), decoder=decoder)
+    img = plan(None, g)
     if log is not None: log.extend(g.log)
     if mask_files is None: return img, (y.gpu() if gpu else y)
     # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)

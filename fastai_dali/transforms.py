@@ -33,6 +33,9 @@ class ItemTranslation:
     f: Callable
     python: Callable = _never  # `python(tfm)`: does `f` run a Python step for `tfm`? (then the images decode on the CPU)
     keeps_crop: bool = False  # `f` reads no pixels (it only sets the layout): a crop left to the output op may wait
+    # `decode(tfm, g)->img or None`: as the first step, `f` on the encoded images, decoding only what it needs (e.g.
+    # a crop window: `g.decode('image_slice', ...)`); None where it cannot (then the images are decoded whole first)
+    decode: Callable = None
 
 _item_translations, _batch_translations = {}, {}
 
@@ -42,10 +45,10 @@ def _lookup(reg, tfm):
         if c in reg: return reg[c]
 
 # %% ../nbs/01_transforms.ipynb #c006
-def dali_item_tfm(*tfm_types, python=None, keeps_crop=False):
+def dali_item_tfm(*tfm_types, python=None, keeps_crop=False, decode=None):
     "Decorator: register `f(tfm, img, g)->img` as the DALI translation of item transforms of `tfm_types` (and subclasses)"
     def _inner(f):
-        tr = ItemTranslation(f, python or _never, keeps_crop)
+        tr = ItemTranslation(f, python or _never, keeps_crop, decode)
         for t in tfm_types: _item_translations[t] = tr
         return f
     return _inner
@@ -80,8 +83,9 @@ def batch_translation(tfm):
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation and each batch `Stage`"
     def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None,
-                 exact_resize_crop=False, out=None):
-        store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop')
+                 exact_resize_crop=False, out=None, decoder=None, roi_decode=False):
+        # `decoder(op, *inputs, **kw)`: a `fn.decoders` op on the encoded images (`decode`), for a graph that decodes itself
+        store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop,decoder,roi_decode')
         self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
         self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
         self.log = L()
@@ -93,6 +97,17 @@ class DaliGraph:
         k = (id(tfm), key)
         if k not in self.rand: self.rand[k] = make()
         return self.rand[k]
+    def op_seed(self):
+        "A seed for a random op of this graph, from the pipeline's and the ops seeded so far: the same draws whichever ops come before it"
+        from nvidia.dali.pipeline import Pipeline
+        self._n_seeded = getattr(self, '_n_seeded', 0) + 1
+        return (Pipeline.current().seed*1_000_003 + 7_919*self._n_seeded) % (2**31-1)
+    def decode(self, op='image', *inputs, **kwargs):
+        "The encoded images decoded by `fn.decoders.<op>` (whole with 'image', the first time; e.g. a window with 'image_slice')"
+        if self.decoder is None: raise ValueError("this graph was given decoded images (`decoded`): it has no encoded ones")
+        if op != 'image': return self.decoder(op, *inputs, **kwargs)
+        if self.decoded is None: self.decoded = self.decoder('image')
+        return self.decoded
     def shape(self, img):
         "Shape of `img` (HWC) as a CPU DataNode"
         # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode

@@ -4,7 +4,7 @@
 
 1. A Learner under `distrib_ctx`: every batch of `fit` and `get_preds` comes from a `DaliDL` (DALI, not fastai's PIL
    path); per epoch the ranks run the same number of batches and see every training item, at most `world-1` twice;
-   the gathered `get_preds` are the single-process ones, in dataset order.
+   the gathered `get_preds` are the single-process ones, in dataset order; a second `get_preds` builds no pipeline.
 2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 3 epochs.
 3. Masks and multi-label targets of an unshuffled loader, gathered from every rank (`to_detach`): the single-process
    ones, in dataset order.
@@ -51,6 +51,10 @@ def learner_checks(root, rank, world):
     with learn.distrib_ctx(sync_bn=False):
         learn.fit(2)
         preds,targs = learn.get_preds()
+        # fastai makes new loaders (and so new shards) at every call: they run on the pipeline built the first time
+        built = dls.valid.pipelines.n_builds
+        again,_ = learn.get_preds()
+        assert dls.valid.pipelines.n_builds == built and torch.equal(again, preds), "get_preds built a pipeline again"
     assert rec.types == {'DaliDL'}, f"batches came from {rec.types}, not only from DaliDL"
     train = [id_of(f) for f in dls.train_ds.items]
     for ep in rec.epochs: check_train_epoch(gather(ep), train, world)

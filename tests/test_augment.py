@@ -130,6 +130,26 @@ def test_random_resized_crop_valid_matches_fastai(wide):
     print(f'RandomResizedCrop valid mean |diff| {d:.3f}/255')
     assert d < 1.0   # measured ~0.2 on the CPU backend
 
+def test_random_resized_crop_decodes_only_its_window(image_folder):
+    "As the first item transform, RandomResizedCrop decodes only its window (`fn.decoders.image_slice`): the same pixels"
+    root = image_folder(24, 4)   # JPEGs of 40..160 px, any aspect ratio
+    def batches(roi):
+        set_seed(5)   # the same loader seed, so the same windows
+        dls = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(32, min_scale=0.08), bs=8, device=DEVICE,
+                                          shuffle=False, roi_decode=roi)
+        how = ' '.join(dls.train.dali_report().detail)
+        return torch.cat([plain(x).float() for x,_ in dls.train]),how
+    (whole,how0),(window,how1) = batches(False),batches(True)
+    assert 'image_slice' in how1 and 'image_slice' not in how0
+    d = (whole - window).abs()
+    print(f'RandomResizedCrop window decode vs whole decode: mean |d| {d.mean()*255:.4f}/255, max {d.max()*255:.1f}')
+    if DEVICE == 'cpu': assert torch.equal(whole, window)   # libjpeg-turbo decodes the window's pixels exactly
+    else: assert d.mean()*255 < 0.5 and d.max()*255 <= 48   # nvJPEG's window decode, first measured here
+    # the default: on DALI's CPU backend the window only; the validation split resizes whole images
+    dls = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(32), bs=8, device=DEVICE)
+    assert ('image_slice' in ' '.join(dls.train.dali_report().detail)) == (DEVICE == 'cpu')
+    assert 'image_slice' not in ' '.join(dls.valid.dali_report().detail)
+
 def test_flip_item_rate(square):
     root,a = square
     for p in (0.5, 0.9):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from PIL import Image
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, Resize, get_image_files,
                                parent_label, Learner, Callback, Transform, PILImage, load_learner, vision_learner,
-                               resnet18, set_seed)
+                               resnet18, set_seed, Flip, Brightness)
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
 from fastai_dali.pipeline import _live_pipes
@@ -195,8 +195,8 @@ def accumulating(census):
 def median(xs): return sorted(xs)[len(xs)//2]
 
 def pipes_of(*dls):
-    "The DALI pipelines these loaders hold now"
-    return {id(dl.built.pipeline) for dl in dls if dl.built is not None}
+    "The DALI pipelines these loaders hold now: the one each iterates and those kept for the loaders made from it"
+    return {id(b.pipeline) for dl in dls for b in [dl.built, *dl.pipelines] if b is not None}
 
 def resources(settle_to=None, wait=3.0, collect=True):
     """Threads, native threads, fds, child processes, live DALI pipelines, malloc'd memory and RSS (KB), after a
@@ -249,6 +249,45 @@ def test_get_preds_exactly_once(id_root, kind):
     assert plain(targs).tolist() == labels_of(dls, want)
     # twice in a row, the second from a fresh loader: the same
     assert learn.get_preds(dl=dls.valid)[0][:, -1].long().tolist() == valid
+
+
+def test_get_preds_reuses_its_pipeline(id_root):
+    "fastai's `get_preds` makes new loaders at every call: the second call runs on the pipeline the first one built"
+    dls = id_loaders(id_root)
+    learn = Learner(dls, IdNet(), loss_func=IdLoss())
+    valid = [id_of(f) for f in dls.valid_ds.items]
+    assert dls.train.pipelines is dls.valid.pipelines   # fastai makes the valid loader with `new` too
+    p1,_ = learn.get_preds()
+    built = dls.valid.pipelines.n_builds
+    for _ in range(3):
+        p2,t2 = learn.get_preds()
+        assert p2[:, -1].long().tolist() == valid and plain(t2).tolist() == labels_of(dls, valid)
+    assert dls.valid.pipelines.n_builds == built and torch.equal(p1, p2)
+    # the other split's, then this one again: one new pipeline, for the train split
+    learn.get_preds(ds_idx=0); learn.get_preds(ds_idx=0); learn.get_preds()
+    assert dls.valid.pipelines.n_builds == built + 1
+    # kept pipelines are bounded: many different orders (a callback's, `show_batch(unique=True)`'s) keep at most `size`
+    for k in range(6):
+        dls.valid.get_idxs = (lambda k: lambda: list(range(k, len(valid))))(k)
+        assert check_batch(dls, dls.valid.one_batch(), set(valid)) == valid[k:k+BS]
+    del dls.valid.get_idxs
+    assert len(dls.valid.pipelines) <= dls.valid.pipelines.size
+    check_valid_epoch(dls, list(dls.valid))
+
+def test_tta_passes_draw_their_own_augmentations(id_root):
+    "`tta` runs `get_preds` on the augmented validation set `n` times: each pass draws its own augmentations, as fastai's"
+    dls = DaliDataLoaders.from_folder(id_root, item_tfms=Resize(8), batch_tfms=[Flip(p=0.5), Brightness(max_lighting=0.4, p=1.)],
+                                      bs=BS, device=DEVICE)
+    learn = Learner(dls, IdNet(), loss_func=IdLoss())
+    passes,get_preds = [],learn.get_preds
+    def recording(*args, **kwargs):
+        res = get_preds(*args, **kwargs); passes.append(res[0]); return res
+    learn.get_preds = recording
+    with learn.no_bar(): learn.tta(n=4)
+    aug,plain_pass = passes[:4],passes[4]
+    # the augmented passes: brightness moves the ids' pixels (-1: not the item's solid colour) differently each time
+    assert all(not torch.equal(a, b) for i,a in enumerate(aug) for b in aug[i+1:])
+    assert plain_pass[:, -1].long().tolist() == [id_of(f) for f in dls.valid_ds.items]
 
 
 # ------------------------------------------------------------------------------------ 2. abandoned epochs

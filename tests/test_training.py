@@ -1,0 +1,77 @@
+"""Training without a host sync per batch: `DeviceLossCallback` keeps fastai's smoothed loss on the device.
+
+- fastai copies the loss to the CPU once per training batch (`AvgSmoothLoss.accumulate`'s `to_detach`); with the
+  callback no training batch does, and the records (`recorder.losses`, `recorder.values`), `learn.smooth_loss` and
+  the weights are fastai's own, with the progress bar on and off (DaliDataLoaders, on this run's device);
+- on a GPU, `torch.cuda.set_sync_debug_mode('warn')` sees every synchronizing call of torch from the loss to the
+  end of the batch's callbacks: at least one per batch with fastai's own smoothed loss, none with the callback.
+"""
+import warnings
+import pytest, torch
+import fastai.learner
+from fastai.vision.all import Learner, Callback, Resize
+from fastai_dali.data import DaliDataLoaders
+from fastai_dali.training import DeviceLossCallback, DeviceSmoothLoss
+from conftest import DEVICE, make_id_folder, IdNet, IdLoss
+
+@pytest.fixture(scope='module')
+def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))
+
+def learner(root, cbs=None):
+    torch.manual_seed(0)
+    dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(4), bs=6, device=DEVICE, shuffle=False)
+    return Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2, cbs=cbs)
+
+class CountLossCopies(Callback):
+    "Calls of fastai's `to_detach(..., cpu=True)` made by `fastai.learner` (the smoothed loss) during training batches"
+    order = -10
+    def before_fit(self):
+        self.n,self.in_batch,self.orig = 0,False,fastai.learner.to_detach
+        def counting(b, cpu=True, gather=True):
+            if cpu and self.in_batch: self.n += 1
+            return self.orig(b, cpu, gather)
+        fastai.learner.to_detach = counting
+    def before_batch(self): self.in_batch = self.training
+    def after_fit(self): fastai.learner.to_detach = self.orig
+
+@pytest.mark.parametrize('bar', [False, True])
+def test_same_records_no_loss_copy(id_root, bar):
+    runs = {}
+    for name,cbs in (('fastai', []), ('device', [DeviceLossCallback()])):
+        count = CountLossCopies()
+        learn = learner(id_root, cbs=[count, *cbs])
+        if bar: learn.fit(2)
+        else:
+            with learn.no_bar(): learn.fit(2)
+        r = learn.recorder
+        runs[name] = (count.n, [float(l) for l in r.losses], [list(map(float, v)) for v in r.values],
+                      float(learn.smooth_loss), [p.detach().cpu().clone() for p in learn.model.parameters()])
+        assert type(r.smooth_loss) is not DeviceSmoothLoss and all(l.device.type == 'cpu' for l in r.losses)
+    (n_f,*ref),(n_d,*ours) = runs['fastai'],runs['device']
+    n_batches = 2*len(learn.dls.train)
+    assert (n_f, n_d) == (n_batches, 0)
+    assert ours[:3] == ref[:3] and all(torch.equal(a, b) for a,b in zip(ours[3], ref[3]))
+
+class SyncsInBatch(Callback):
+    "Synchronizing torch calls from the loss to the end of the batch's callbacks (after ProgressCallback's), per training batch"
+    order = 100
+    def before_fit(self): self.per_batch = []
+    def after_loss(self):
+        if not self.training: return
+        self.w = warnings.catch_warnings(record=True); self.seen = self.w.__enter__()
+        warnings.simplefilter('always'); torch.cuda.set_sync_debug_mode('warn')
+    def after_batch(self):
+        if not self.training: return
+        torch.cuda.set_sync_debug_mode('default'); self.w.__exit__(None, None, None)
+        self.per_batch.append(sum('synchronizing' in str(w.message) for w in self.seen))
+
+@pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
+def test_no_host_sync_per_training_batch(id_root):
+    res = {}
+    for name,cbs in (('fastai', []), ('device', [DeviceLossCallback()])):
+        s = SyncsInBatch()
+        learn = learner(id_root, cbs=[s, *cbs]); learn.model.cuda()
+        learn.fit(2)
+        res[name] = s.per_batch
+    assert all(n >= 1 for n in res['fastai']), res      # the check sees fastai's copy of the loss
+    assert res['device'] == [0]*len(res['device']), res
