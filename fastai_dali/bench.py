@@ -17,8 +17,8 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
            'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'torch_loop_throughput',
-           'memory_over_epochs', 'make_bench_dataset', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench',
-           'throughput_targets', 'cli', 'gpu_memory_mb', 'time_loader']
+           'trace_summary', 'fit_trace', 'memory_over_epochs', 'make_bench_dataset', 'augment_steps', 'pixel_parity',
+           'mixed_workers', 'run_bench', 'throughput_targets', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -201,6 +201,79 @@ def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=Tr
         _sync(); ips = n/(time.perf_counter()-t0)
     return ips
 
+# %% ../nbs/07_bench.ipynb #c019c
+import gzip
+from fastai.callback.core import CancelFitException
+
+class _TraceBatches(Callback):
+    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and the time between two"
+    order = 101  # after every other callback's `before_batch`, and last in `after_batch`
+    def __init__(self, prof, start, n): self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf = prof,start,n,0,None
+    def _mark(self, name):
+        if self.tr_rf is not None: self.tr_rf.__exit__(None, None, None)
+        self.tr_rf = None if name is None else torch.profiler.record_function(name)
+        if self.tr_rf is not None: self.tr_rf.__enter__()
+    def before_batch(self):
+        if not self.training: return
+        if self.tr_i == self.tr_start: _sync(); self.tr_prof.start()
+        if self.tr_start <= self.tr_i < self.tr_start+self.tr_n: self._mark('fastai batch')
+    def after_batch(self):
+        if not self.training: return
+        self.tr_i += 1
+        if self.tr_i == self.tr_start+self.tr_n: self._mark(None); _sync(); self.tr_prof.stop(); raise CancelFitException()
+        if self.tr_i > self.tr_start: self._mark('between batches (loader, callbacks)')
+
+_SYNCS = ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize', 'cudaMemcpy', 'cuStreamSynchronize',
+          'cuCtxSynchronize', 'cuEventSynchronize', 'cuMemcpyDtoH_v2')
+_DALI_KERNELS = ('dali', 'nvjpeg', 'nvimgcodec', 'jpeg')
+
+def _union_us(spans):
+    "Total length of the union of (start, end) spans"
+    tot,end = 0.,None
+    for s,e in sorted(spans):
+        if end is None or s > end: tot,end = tot + e - s,e
+        elif e > end: tot,end = tot + e - end,e
+    return tot
+
+def trace_summary(events, bs):
+    "What a chrome trace's `events` (torch.profiler) say about the marked batches: GPU busy share, DALI's and the model's kernel time, host syncs, CPU time per batch"
+    marks = [e for e in events if e.get('cat') == 'user_annotation' and e.get('ph') == 'X']
+    batches = [e for e in marks if e['name'] == 'fastai batch']
+    if not batches: return {}
+    t0,t1 = batches[0]['ts'],max(e['ts']+e['dur'] for e in batches)
+    inside = lambda e: t0 <= e['ts'] < t1
+    gpu = [e for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('ph') == 'X' and inside(e)]
+    dali = [e for e in gpu if any(k in e['name'].lower() for k in _DALI_KERNELS)]
+    syncs = [e for e in events if e.get('cat') in ('cuda_runtime', 'cuda_driver') and e['name'] in _SYNCS and inside(e)]
+    n,win = len(batches),t1-t0
+    per = lambda es: sum(e['dur'] for e in es)/n/1e3  # ms per batch
+    between = [e for e in marks if e['name'].startswith('between')]
+    return {'batches': n, 'img_s': bs*n/(win/1e6), 'ms_per_batch': win/n/1e3,
+            'gpu_busy': _union_us([(e['ts'], e['ts']+e['dur']) for e in gpu])/win if gpu else 0.,
+            'gpu_ms_per_batch': {'dali': per(dali), 'model and the rest': per([e for e in gpu if e not in dali])},
+            'streams': sorted({e.get('args', {}).get('stream') for e in gpu} - {None}),
+            'host_syncs_per_batch': len(syncs)/n, 'host_sync_ms_per_batch': per(syncs),
+            'sync_calls': sorted({e['name'] for e in syncs}),
+            'cpu_ms_per_batch': {'fastai batch': per(batches), 'between batches (loader, callbacks)': per(between)}}
+
+def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None):
+    "Profile `n` training batches of `learn.fit` (after `start`) with torch.profiler, CUDA kernels of the whole process (DALI's too) included: `trace_summary`; the chrome trace to `fname` (.json.gz)"
+    from torch.profiler import profile, ProfilerActivity
+    m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
+    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat())
+    if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
+    elif bf16: learn.to_bf16()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1 + (start+n)//max(1, len(dls.train)), 1e-3, cbs=[_TraceBatches(prof, start, n), *cbs])
+    tmp = Path(fname or 'trace.json.gz').with_suffix('')  # torch writes plain JSON
+    prof.export_chrome_trace(str(tmp))
+    events = json.loads(tmp.read_text())['traceEvents']
+    if fname:
+        with gzip.open(fname, 'wt') as f: f.write(tmp.read_text())
+    tmp.unlink()
+    return trace_summary(events, dls.train.bs)
+
 # %% ../nbs/07_bench.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
     "Device memory in use (MiB) after each of `epochs` passes over `dl` (empty without CUDA)"
@@ -223,7 +296,7 @@ def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs
     return root
 
 # %% ../nbs/07_bench.ipynb #c025
-SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'memory', 'resize', 'parity')
+SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'trace', 'memory', 'resize', 'parity')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 
@@ -389,6 +462,17 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
     res['fit_img_s'] = fit
+    if 'trace' in S and gpu:  # the timeline of 20 training batches of each arch, DaliDataLoaders and model-only
+        tr = res['fit_trace'] = {}
+        for a in archs:
+            arch = getattr(models, a)
+            sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
+            for k,(d,cbs) in {'DaliDataLoaders': (dls, []), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()]),
+                              'model only': (DataLoaders(sdl, sdl), []),
+                              'model only, DeviceLossCallback': (DataLoaders(sdl, sdl), [DeviceLossCallback()])}.items():
+                fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
+                tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname)
+                print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
     res['targets'] = t = throughput_targets(res, gpu, W)
     _write_results(res, out, mem_epochs)
     return res
@@ -446,6 +530,13 @@ def _write_results(res, out, mem_epochs):
     for a,f in res['fit_img_s'].items():
         md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s', '', '| data | img/s |', '|---|---:|']
         md += [f'| {k} | {v:,.0f} |' for k,v in f.items()]
+    if res.get('fit_trace'):
+        md += ['', '### Timeline of 20 training batches (torch.profiler: every CUDA kernel and runtime call of the process)', '',
+               '| run | img/s | GPU busy | DALI kernels ms/batch | model kernels ms/batch | host syncs/batch | ms waiting | CPU: fastai batch ms | CPU: between batches ms |',
+               '|---|---:|---:|---:|---:|---:|---:|---:|---:|']
+        md += [f"| {k} | {v['img_s']:,.0f} | {v['gpu_busy']:.2f} | {v['gpu_ms_per_batch']['dali']:.2f} | {v['gpu_ms_per_batch']['model and the rest']:.2f} "
+               f"| {v['host_syncs_per_batch']:.1f} | {v['host_sync_ms_per_batch']:.2f} | {v['cpu_ms_per_batch']['fastai batch']:.2f} "
+               f"| {v['cpu_ms_per_batch']['between batches (loader, callbacks)']:.2f} |" for k,v in res['fit_trace'].items() if v]
     md += ['', '### Throughput targets', '', '| target | value | goal | met |', '|---|---:|---:|---|'] + [f"| {o['target']} | {o['value']:.2f} | {o['goal']} | {'yes' if o['met'] else 'NO'} |" for o in res['targets']]
     (out/'bench.md').write_text('\n'.join(md)+'\n')
     bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {s['bs']}, {s['size']} px")

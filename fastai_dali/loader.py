@@ -204,17 +204,22 @@ class BuiltPipeline:
 # %% ../nbs/03e_loader.ipynb #c018b
 class PipelineCache:
     "The `BuiltPipeline`s of a loader and of the loaders `new` makes from it, by signature: the `size` used last"
-    def __init__(self, size=4): self.size,self.kept,self.n_builds = size,{},0
+    def __init__(self, size=4): self.size,self.kept,self.n_builds,self._built_for = size,{},0,{}
     def get(self, signature):
         "The kept pipeline built with `signature`, or None"
         b = self.kept.pop(signature, None)
         if b is not None: self.kept[signature] = b  # used last
         return b
+    def builds_for(self, signature):
+        "How many pipelines were built with `signature` in this family"
+        return self._built_for.get(hash(signature), 0)
     def add(self, b):
         "Keep `b` (in place of one of the same signature), dropping the one used longest ago beyond `size`; count a build"
         self.kept.pop(b.signature, None); self.kept[b.signature] = b
         while len(self.kept) > self.size: self.kept.pop(next(iter(self.kept)))
         self.n_builds += 1
+        h = hash(b.signature); self._built_for[h] = self._built_for.pop(h, 0) + 1  # (the last 1,000 signatures)
+        while len(self._built_for) > 1000: self._built_for.pop(next(iter(self._built_for)))
         return b
     def drop(self, b):
         "Forget `b` (a failed pipeline cannot run again)"
@@ -234,9 +239,9 @@ def _build(self:DaliDL):
     idxs = list(order) if order is not None else list(range(len(src))) if shuffle else list(self.get_idxs())
     plan,log = self._plan(),L()
     split_idx = getattr(self.dataset, 'split_idx', None)
-    # a rebuilt pipeline draws new permutations and augmentations, reproducibly; counted over the loaders that share
-    # `pipelines`, so that each of `tta`'s passes (a new loader each) draws its own augmentations, as fastai's do
-    seed,kw = self.seed+self.pipelines.n_builds,{}
+    # a rebuilt pipeline draws new permutations and augmentations, reproducibly: its seed counts the pipelines built
+    # for the same work in the family (`PipelineCache`), not those of other loaders
+    seed,kw = self.seed+self.pipelines.builds_for(self._signature()),{}
     if masks is not None and (isinstance(src, PythonSource) or any(tr.f is python_item_tfm for _,tr in plan.items)):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     shard_id,num_shards,gather_n,reader_seed = self.shard_id,self.num_shards,None,self._reader_seed(seed)

@@ -45,11 +45,12 @@ class DeviceLossCallback(Callback):
 
     def after_batch(self):
         if not (self.active and self.training): return
-        v = self.learn.smooth_loss
-        if v.device.type != 'cuda': self.shown = float(v); return  # on the CPU a read costs no wait
+        v = self.learn.smooth_loss  # (one value per rank in a distributed run, as fastai gathers it: then nothing is shown)
+        show = lambda t: float(t) if t.numel() == 1 else None
+        if v.device.type != 'cuda': self.shown = show(v); return  # on the CPU a read costs no wait
         if self._copy is not None and not self._copy[1].query(): return  # the last copy is still on its way
-        if self._copy is not None: self.shown = float(self._copy[0])
-        buf = self._copy[0] if self._copy is not None else torch.empty((), dtype=v.dtype, pin_memory=True)
+        if self._copy is not None: self.shown = show(self._copy[0])
+        buf = self._copy[0] if self._copy is not None and self._copy[0].shape == v.shape else torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
         buf.copy_(v, non_blocking=True)
         ev = torch.cuda.Event(); ev.record()
         self._copy = (buf, ev)

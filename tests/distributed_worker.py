@@ -9,6 +9,7 @@
 3. Masks and multi-label targets of an unshuffled loader, gathered from every rank (`to_detach`): the single-process
    ones, in dataset order.
 4. Ranks that disagree (a different batch size) get a clear error on every rank instead of a hang.
+5. `DeviceLossCallback` under `distrib_ctx`: fastai's records (the smoothed loss gathered from every rank) are the same.
 Each rank writes OUT/rank<r>.json; any failed check ends the rank with an error (non-zero exit status).
 """
 import json, os, sys, warnings
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 warnings.filterwarnings('ignore')
 from conftest import make_id_folder, ids_of, id_of, cls_of, IdNet, IdLoss, plain
 from fastai.vision.all import (Learner, Callback, Datasets, PILImage, parent_label, Categorize, ToTensor, IntToFloatTensor,
-                               get_image_files)
+                               get_image_files, set_seed)
 from fastai_dali.all import *
 
 class Record(Callback):
@@ -122,6 +123,18 @@ def target_checks(root, rank, world):
     assert ids == valid and torch.equal(plain(ys), single), (ids, valid)
     return dict(targets_checked=len(valid))
 
+def callback_checks(root, rank, world):
+    flat = lambda xs: [torch.as_tensor(x).flatten().tolist() for x in xs]
+    recs = []
+    for cbs in ([], [DeviceLossCallback()]):
+        set_seed(0)
+        dls = DaliDataLoaders.from_folder(root, bs=4, device='cpu', num_threads=1)
+        learn = Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2)
+        with learn.distrib_ctx(sync_bn=False), learn.no_bar(): learn.fit(2, cbs=cbs)
+        recs.append((flat(learn.recorder.losses), [flat(v) for v in learn.recorder.values]))
+    assert recs[0] == recs[1] and len(recs[0][0]) == 2*len(dls.train.distributed()), recs  # 2 epochs of this rank's shard
+    return dict(callback_losses=len(recs[0][0]))
+
 def mismatch_checks(root, rank, world):
     ds = Datasets(get_image_files(root/'train')[:8], [[PILImage.create], [parent_label, Categorize()]])
     dl = DaliDL(ds, bs=3+rank, device='cpu', num_threads=1, after_item=[ToTensor()], after_batch=[IntToFloatTensor()])
@@ -138,6 +151,7 @@ if __name__ == '__main__':
     res.update(learner_checks(root, rank, world))   # distrib_ctx initializes the process group (accelerate)
     res.update(loader_checks(root, rank, world))
     res.update(target_checks(root, rank, world))
+    res.update(callback_checks(root, rank, world))
     res.update(mismatch_checks(root, rank, world))
     (out/f'rank{rank}.json').write_text(json.dumps(res))
     dist.barrier()

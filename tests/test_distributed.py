@@ -21,6 +21,7 @@ def test_torchrun_two_processes(tmp_path):
     res = launch([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2'], tmp_path)
     assert [r['rank'] for r in res] == [0, 1] and all(r['loaders'] == 13*4 and r['train_epochs'] == 2 for r in res)
     assert all('disagree' in r['mismatch_error'] for r in res) and all(r['targets_checked'] == 11 for r in res)
+    assert all(r['callback_losses'] > 0 for r in res)
 
 def test_accelerate_launch(tmp_path):
     # `--cpu` would start one process only; `--multi_gpu` with ACCELERATE_USE_CPU=1 starts two, on gloo
