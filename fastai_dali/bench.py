@@ -203,10 +203,11 @@ def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=Tr
 
 # %% ../nbs/07_bench.ipynb #c019c
 import gzip
+import tempfile
 from fastai.callback.core import CancelFitException
 
 class _TraceBatches(Callback):
-    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and the time between two"
+    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch, the time between two, and when the GPU finished the last"
     order = 101  # after every other callback's `before_batch`, and last in `after_batch`
     def __init__(self, prof, start, n): self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf = prof,start,n,0,None
     def _mark(self, name):
@@ -220,8 +221,11 @@ class _TraceBatches(Callback):
     def after_batch(self):
         if not self.training: return
         self.tr_i += 1
-        if self.tr_i == self.tr_start+self.tr_n: self._mark(None); _sync(); self.tr_prof.stop(); raise CancelFitException()
+        if self.tr_i == self.tr_start+self.tr_n:  # a mark at the time the GPU has done the last batch: the window's end
+            self._mark(None); _sync(); self._mark('GPU done'); self._mark(None)
+            self.tr_prof.stop(); raise CancelFitException()
         if self.tr_i > self.tr_start: self._mark('between batches (loader, callbacks)')
+    def before_validate(self): raise CancelValidException()  # (an epoch shorter than the window: training batches only)
 
 _SYNCS = ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize', 'cudaMemcpy', 'cuStreamSynchronize',
           'cuCtxSynchronize', 'cuEventSynchronize', 'cuMemcpyDtoH_v2')
@@ -240,16 +244,20 @@ def trace_summary(events, bs):
     marks = [e for e in events if e.get('cat') == 'user_annotation' and e.get('ph') == 'X']
     batches = [e for e in marks if e['name'] == 'fastai batch']
     if not batches: return {}
-    t0,t1 = batches[0]['ts'],max(e['ts']+e['dur'] for e in batches)
-    inside = lambda e: t0 <= e['ts'] < t1
-    gpu = [e for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('ph') == 'X' and inside(e)]
+    # the window: from the first batch's start to the time the GPU had done the last one (CPU and GPU run apart)
+    t0,t_cpu = batches[0]['ts'],max(e['ts']+e['dur'] for e in batches)
+    t1 = max([t_cpu] + [e['ts'] for e in marks if e['name'] == 'GPU done'])
+    gpu = [e for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') and e.get('ph') == 'X'
+           and e['ts'] < t1 and e['ts']+e['dur'] > t0]
     dali = [e for e in gpu if any(k in e['name'].lower() for k in _DALI_KERNELS)]
-    syncs = [e for e in events if e.get('cat') in ('cuda_runtime', 'cuda_driver') and e['name'] in _SYNCS and inside(e)]
+    # the host waits of fastai's loop (its thread; DALI's own threads wait for their GPU work without stalling it)
+    syncs = [e for e in events if e.get('cat') in ('cuda_runtime', 'cuda_driver') and e['name'] in _SYNCS
+             and e.get('tid') == batches[0].get('tid') and t0 <= e['ts'] < t_cpu]
     n,win = len(batches),t1-t0
     per = lambda es: sum(e['dur'] for e in es)/n/1e3  # ms per batch
     between = [e for e in marks if e['name'].startswith('between')]
     return {'batches': n, 'img_s': bs*n/(win/1e6), 'ms_per_batch': win/n/1e3,
-            'gpu_busy': _union_us([(e['ts'], e['ts']+e['dur']) for e in gpu])/win if gpu else 0.,
+            'gpu_busy': _union_us([(max(e['ts'], t0), min(e['ts']+e['dur'], t1)) for e in gpu])/win if gpu else 0.,
             'gpu_ms_per_batch': {'dali': per(dali), 'model and the rest': per([e for e in gpu if e not in dali])},
             'streams': sorted({e.get('args', {}).get('stream') for e in gpu} - {None}),
             'host_syncs_per_batch': len(syncs)/n, 'host_sync_ms_per_batch': per(syncs),
@@ -266,13 +274,12 @@ def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, c
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=acts)
     with learn.no_bar(), learn.no_logging(): learn.fit(1 + (start+n)//max(1, len(dls.train)), 1e-3, cbs=[_TraceBatches(prof, start, n), *cbs])
-    tmp = Path(fname or 'trace.json.gz').with_suffix('')  # torch writes plain JSON
-    prof.export_chrome_trace(str(tmp))
-    events = json.loads(tmp.read_text())['traceEvents']
+    with tempfile.TemporaryDirectory() as d:  # torch writes plain JSON
+        prof.export_chrome_trace(str(Path(d)/'trace.json'))
+        text = (Path(d)/'trace.json').read_text()
     if fname:
-        with gzip.open(fname, 'wt') as f: f.write(tmp.read_text())
-    tmp.unlink()
-    return trace_summary(events, dls.train.bs)
+        with gzip.open(fname, 'wt') as f: f.write(text)
+    return trace_summary(json.loads(text)['traceEvents'], dls.train.bs)
 
 # %% ../nbs/07_bench.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
@@ -544,7 +551,7 @@ def _write_results(res, out, mem_epochs):
 
 # %% ../nbs/07_bench.ipynb #c026
 def cli(argv=None):
-    "`fastai-dali bench [PATH]` and `fastai-dali demo`: console entry point, prints (`run_bench` returns the results), returns None"
+    "`fastai-dali bench [PATH]`, `fastai-dali bench-gpus [PATH]` and `fastai-dali demo`: console entry point, prints (`run_bench` returns the results), returns None"
     import argparse
     ap = argparse.ArgumentParser('fastai-dali')
     sub = ap.add_subparsers(dest='cmd', required=True)
@@ -562,12 +569,26 @@ def cli(argv=None):
     b.add_argument('--py-workers', default='4,8,16', help='worker process counts of the mixed-workers section')
     b.add_argument('--parity-n', type=int, default=150, help='generated JPEGs of the parity section')
     b.add_argument('--no-aug', action='store_true'); b.add_argument('--no-mixed', action='store_true')
+    g = sub.add_parser('bench-gpus', help='train and time on 1 and on N GPUs (or CPU processes) under fastai\'s distrib_ctx, '
+                       'DaliDataLoaders against ImageDataLoaders, checking every item id (fastai_dali.bench_gpus)')
+    g.add_argument('path', nargs='?', help='an ImageNet-style folder (train/, valid/); default: generate --n JPEGs')
+    g.add_argument('--gpus', type=int, default=None, help='processes of the second run (default: every GPU; 2 on the CPU)')
+    g.add_argument('--device', default=None, help="'cpu': CPU processes (gloo, DALI's CPU backend); default: the GPUs")
+    g.add_argument('--n', type=int, default=10000); g.add_argument('--bs', type=int, default=128, help='per process')
+    g.add_argument('--size', type=int, default=224); g.add_argument('--arch', default='resnet50')
+    g.add_argument('--epochs', type=int, default=2); g.add_argument('--batches', type=int, default=30, help='of the loader timing')
+    g.add_argument('--out', default='fastai_dali_bench_gpus')
     sub.add_parser('demo', help='train a small model on generated data with DaliDataLoaders')
     a,rest = ap.parse_known_args(argv)
     if a.cmd == 'demo':  # the demo's own options (see `fastai-dali-demo --help`) pass through
         from fastai_dali.demo import main
         return main(rest)
     if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
+    if a.cmd == 'bench-gpus':
+        from fastai_dali.bench_gpus import run_bench_gpus
+        run_bench_gpus(a.path, gpus=a.gpus, device=a.device, n=a.n, bs=a.bs, size=a.size, arch=a.arch, epochs=a.epochs,
+                       batches=a.batches, out=a.out)
+        return
     sections = [o for o in a.sections.split(',') if o]
     if bad := set(sections) - {*SECTIONS, 'all'}: ap.error(f"unknown sections {','.join(sorted(bad))}: choose from {', '.join(SECTIONS)}")
     ints = lambda s: tuple(int(w) for w in s.split(',') if w)

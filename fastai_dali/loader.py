@@ -146,7 +146,7 @@ def _signature(self:DaliDL):
     # all a loader made by `new` may change (its pipeline is shared through `pipelines`); the split decides which
     # augmentations run (`tta` sets the validation set's `split_idx` to 0)
     return (tuple(map(id, self.after_item.fs)), tuple(map(id, self.after_batch.fs)), str(self.device), self.bs,
-            self.shuffle, self.drop_last, id(self.dataset), getattr(self.dataset, 'split_idx', None), self.exact_resize_crop,
+            self.shuffle, self.drop_last, id(self.dataset), self.n, self.indexed, getattr(self.dataset, 'split_idx', None), self.exact_resize_crop,
             self.num_threads, self.prefetch, self.hw_decoder_load, self.seed, self.shard_id, self.num_shards,
             self.py_workers, self.roi_decode, self._order)
 
@@ -211,19 +211,22 @@ class PipelineCache:
         if b is not None: self.kept[signature] = b  # used last
         return b
     def builds_for(self, signature):
-        "How many pipelines were built with `signature` in this family"
-        return self._built_for.get(hash(signature), 0)
+        "How many pipelines were built with `signature` in this family, whatever their item order"
+        return self._built_for.get(hash(signature[:-1]), 0)  # (a `get_idxs` may give a new order every epoch)
     def add(self, b):
         "Keep `b` (in place of one of the same signature), dropping the one used longest ago beyond `size`; count a build"
         self.kept.pop(b.signature, None); self.kept[b.signature] = b
         while len(self.kept) > self.size: self.kept.pop(next(iter(self.kept)))
         self.n_builds += 1
-        h = hash(b.signature); self._built_for[h] = self._built_for.pop(h, 0) + 1  # (the last 1,000 signatures)
+        h = hash(b.signature[:-1]); self._built_for[h] = self._built_for.pop(h, 0) + 1  # (the last 1,000 signatures)
         while len(self._built_for) > 1000: self._built_for.pop(next(iter(self._built_for)))
         return b
     def drop(self, b):
         "Forget `b` (a failed pipeline cannot run again)"
         if b is not None and self.kept.get(b.signature) is b: del self.kept[b.signature]
+    def clear(self):
+        "Forget every kept pipeline: those no loader iterates go now, with their threads and device memory"
+        self.kept.clear()
     def __len__(self): return len(self.kept)
     def __iter__(self): return iter(list(self.kept.values()))
 

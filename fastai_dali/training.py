@@ -15,36 +15,49 @@ __all__ = ['DeviceSmoothLoss', 'DeviceLossCallback']
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
-    "fastai's `AvgSmoothLoss`, computed on the loss's device: no copy to the CPU per batch"
+    "fastai's `AvgSmoothLoss`, computed on the loss's device while `owner` (a `DeviceLossCallback`) is in a fit: no copy to the CPU per batch"
+    def __init__(self, beta=0.98, owner=None): super().__init__(beta); self.owner = owner
     def accumulate(self, learn):
+        # after a fit that ended in an error (fastai then runs no `after_fit`), fastai's own computation again
+        on_device = self.owner is not None and self.owner.in_fit(learn)
         self.count += 1
-        loss = to_detach(learn.loss.mean(), cpu=False)  # gathered from every rank, as fastai's `to_detach` gathers it
+        loss = to_detach(learn.loss.mean(), cpu=not on_device)  # gathered from every rank, as fastai's `to_detach` gathers it
         self.val = torch.lerp(loss, self.val.to(loss.device), self.beta)
 
 # %% ../nbs/04b_training.ipynb #c006
 class DeviceLossCallback(Callback):
     "Keep fastai's smoothed training loss on the device during `fit`: no host sync per training batch (opt-in)"
     order = Recorder.order + 1
+    _stateattrs = ('_copy',)  # a CUDA event cannot be pickled (`learn.export`)
+    def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown = None,False,None
+
+    def in_fit(self, learn):
+        "Whether `learn`'s current fit is this callback's (not one after a fit that ended in an error)"
+        return self.fitting and getattr(self, 'learn', None) is learn and any(c is self for c in learn.cbs)
+
     def before_fit(self):
         rec = getattr(self.learn, 'recorder', None)
-        self.active = rec is not None
-        if not self.active: return
-        # (set in the Recorder's `__dict__`: a callback's `__setattr__` warns of the learner's `smooth_loss`)
-        self.fastai_loss,vars(rec)['smooth_loss'] = rec.smooth_loss,DeviceSmoothLoss(beta=rec.smooth_loss.beta)
+        if rec is None: return
+        # fastai's own smoothed loss, kept on the Recorder (set in its `__dict__`: a callback's `__setattr__` warns of
+        # the learner's `smooth_loss`); a fit that ended in an error left ours in its place
+        if not isinstance(rec.smooth_loss, DeviceSmoothLoss): vars(rec)['fastai_smooth_loss'] = rec.smooth_loss
+        fastai_loss = vars(rec)['fastai_smooth_loss']
+        vars(rec)['smooth_loss'] = DeviceSmoothLoss(beta=fastai_loss.beta, owner=self)
         rec.smooth_loss.reset()
-        self.n_moved,self.shown,self._copy = 0,None,None
+        self.fitting,self.n_moved,self.shown,self._copy = True,0,None,None
         pc = getattr(self.learn, 'progress', None)  # fastai's ProgressCallback, if the bar is on
         if pc is not None: pc.after_batch = self._progress_after_batch(pc)
 
     def _progress_after_batch(self, pc):
         "`ProgressCallback.after_batch`, showing the last smoothed loss that reached the CPU instead of waiting for this one"
         def after_batch():
+            if not self.in_fit(pc.learn): return type(pc).after_batch(pc)  # (after a fit that ended in an error)
             pc.pbar.update(pc.iter+1)
             if self.shown is not None: pc.pbar.comment = f'{self.shown:.4f}'
         return after_batch
 
     def after_batch(self):
-        if not (self.active and self.training): return
+        if not (self.fitting and self.training): return
         v = self.learn.smooth_loss  # (one value per rank in a distributed run, as fastai gathers it: then nothing is shown)
         show = lambda t: float(t) if t.numel() == 1 else None
         if v.device.type != 'cuda': self.shown = show(v); return  # on the CPU a read costs no wait
@@ -57,19 +70,20 @@ class DeviceLossCallback(Callback):
 
     def after_epoch(self):
         "The losses recorded this epoch, on the CPU as fastai keeps them (one copy)"
-        if not self.active: return
+        if not self.fitting: return
         rec = self.learn.recorder
         new = rec.losses[self.n_moved:]
-        if new: rec.losses[self.n_moved:] = list(torch.stack([l.detach() for l in new]).cpu().unbind())
+        if new: rec.losses[self.n_moved:] = list(torch.stack([torch.as_tensor(l).detach() for l in new]).cpu().unbind())
         self.n_moved = len(rec.losses)
 
     def after_fit(self):
-        if not self.active: return
+        if not self.fitting: return
         self.after_epoch()  # a fit cancelled mid-epoch
         rec,ours = self.learn.recorder,self.learn.recorder.smooth_loss
-        self.fastai_loss.count,self.fastai_loss.val = ours.count,ours.val.cpu()
-        vars(rec)['smooth_loss'] = self.fastai_loss
-        if hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = rec.smooth_loss.value
+        fastai_loss = vars(rec).pop('fastai_smooth_loss')
+        fastai_loss.count,fastai_loss.val = ours.count,ours.val.cpu()
+        vars(rec)['smooth_loss'] = fastai_loss
+        if hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = fastai_loss.value
         pc = getattr(self.learn, 'progress', None)
         if pc is not None: pc.__dict__.pop('after_batch', None)
-        self.active = False
+        self.fitting,self._copy = False,None

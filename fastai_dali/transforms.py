@@ -100,8 +100,9 @@ class DaliGraph:
     def op_seed(self):
         "A seed for a random op of this graph, from the pipeline's and the ops seeded so far: the same draws whichever ops come before it"
         from nvidia.dali.pipeline import Pipeline
-        self._n_seeded = getattr(self, '_n_seeded', 0) + 1
-        return (Pipeline.current().seed*1_000_003 + 7_919*self._n_seeded) % (2**31-1)
+        self._n_seeded,seed = getattr(self, '_n_seeded', 0) + 1,Pipeline.current().seed
+        if seed is None or seed < 0: return -1  # a pipeline without a seed: DALI's own for the op
+        return (seed*1_000_003 + 7_919*self._n_seeded) % (2**31-1)
     def decode(self, op='image', *inputs, **kwargs):
         "The encoded images decoded by `fn.decoders.<op>` (whole with 'image', the first time; e.g. a window with 'image_slice')"
         if self.decoder is None: raise ValueError("this graph was given decoded images (`decoded`): it has no encoded ones")

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU test suite on a machine with an NVIDIA GPU, once DALI, fastai and torch are installed into /tmp/site
 # (`pip install --target /tmp/site ...`; the package itself is imported from this source tree).
-# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | none;
+# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | training | gpus | none;
+# SKIP_SUITE=1 runs the extra alone;
 # PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
 # or DIST=worksteal: tests handed out one at a time;
 # pytest-xdist's wheels are installed from .whl/ if it is missing). Runs the whole GPU suite in one go
@@ -18,16 +19,27 @@ export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYT
 run=${1:-1}; extra=${2:-none}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1
+if [[ -z ${SKIP_SUITE:-} ]]; then
 t0=$(date +%s)
 timeout ${SUITE_TIMEOUT:-470} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=25 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
 echo "rc $? wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
 tail -4 $OUT/pytest_cuda_run$run.txt
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt
+fi
 case $extra in
 resize)  # resize windows and pixel parity (the bench's sections), on 4,000 generated JPEGs
   timeout 240 python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 4000 --device cuda \
     --sections resize,parity --archs '' --repeats 2 --out $OUT/resize > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
   tail -30 $OUT/resize.txt ;;
+training)  # learn.fit with and without DeviceLossCallback, its timeline (trace), RandomResizedCrop's window decode
+  timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
+    --sections throughput,augment,training,trace --workers 16 --archs resnet18,resnet50 --repeats 3 --max-batches 50 \
+    --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
+  rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
+gpus)  # several GPUs (the 2-GPU kind): `fastai-dali bench-gpus`, 1 GPU and every GPU, resnet50, DaliDataLoaders and ImageDataLoaders
+  timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench-gpus --n 10000 \
+    --arch resnet50 --epochs 2 --out $OUT/gpus > $OUT/gpus.txt 2>&1; echo "rc $?" >> $OUT/gpus.txt
+  rm -rf $OUT/gpus/data_* $OUT/gpus/ids; tail -30 $OUT/gpus.txt ;;
 commands)  # the console commands as a user runs them (entry points called as setuptools' scripts call them)
   { timeout 240 python3 -c "import sys; from fastai_dali.demo import main; sys.exit(main())" && echo "fastai-dali-demo: ok"; } > $OUT/demo.txt 2>&1
   tail -6 $OUT/demo.txt ;;

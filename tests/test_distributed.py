@@ -45,3 +45,15 @@ def test_two_nodes(tmp_path):
     assert [p.returncode for p in ps] == [0, 0], [o[1][-4000:] for o in outs]
     res = [json.loads((out/f'rank{i}.json').read_text()) for i in range(2)]
     assert [(r['rank'], r['local_rank']) for r in res] == [(0, 0), (1, 0)] and all(r['loaders'] == 13*4 for r in res)
+
+def test_bench_gpus_command(tmp_path):
+    "`fastai-dali bench-gpus --device cpu`: 1 and 2 CPU processes, both trained on DALI's batches, every item id exact"
+    from fastai_dali.bench_gpus import run_bench_gpus
+    from fastai_dali.demo import make_image_folder
+    path = make_image_folder(tmp_path/'photos', n_train=16, n_valid=8, classes=('astronaut', 'coffee', 'rocket'))
+    res = run_bench_gpus(path, gpus=2, device='cpu', bs=8, size=64, arch='resnet18', epochs=1, batches=2, out=tmp_path/'out')
+    s = res['summary']['per_process']
+    assert sorted(s) == [1, 2] and s[1]['exact'] and s[2]['exact']
+    assert [d[:2] for d in s[2]['devices']] == [(0, 'cpu'), (1, 'cpu')]
+    assert all(s[k]['fit img/s, DaliDataLoaders'] > 0 and 0 <= s[k]['accuracy, DaliDataLoaders'] <= 1 for k in (1, 2))
+    assert (tmp_path/'out'/'bench_gpus.md').read_text().startswith('### resnet18')

@@ -267,11 +267,21 @@ def test_get_preds_reuses_its_pipeline(id_root):
     learn.get_preds(ds_idx=0); learn.get_preds(ds_idx=0); learn.get_preds()
     assert dls.valid.pipelines.n_builds == built + 1
     # kept pipelines are bounded: many different orders (a callback's, `show_batch(unique=True)`'s) keep at most `size`
+    # (and each is built with a seed of its own: the same seed would repeat the augmentations of the one before)
+    seeds = []
     for k in range(6):
         dls.valid.get_idxs = (lambda k: lambda: list(range(k, len(valid))))(k)
         assert check_batch(dls, dls.valid.one_batch(), set(valid)) == valid[k:k+BS]
+        seeds.append(dls.valid.built.pipeline.seed)
     del dls.valid.get_idxs
-    assert len(dls.valid.pipelines) <= dls.valid.pipelines.size
+    assert len(dls.valid.pipelines) <= dls.valid.pipelines.size and len(set(seeds)) == len(seeds), seeds
+    check_valid_epoch(dls, list(dls.valid))
+    # a loader of fewer items (`n`) gets a pipeline of its own, and the valid loader still reads all of them
+    small = dls.valid.new(n=BS+1)
+    assert [i for b in small for i in check_batch(dls, b, set(valid))] == valid[:BS+1]
+    check_valid_epoch(dls, list(dls.valid))
+    dls.valid.pipelines.clear()
+    assert len(dls.valid.pipelines) == 0
     check_valid_epoch(dls, list(dls.valid))
 
 def test_tta_passes_draw_their_own_augmentations(id_root):
