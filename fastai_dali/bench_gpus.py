@@ -208,4 +208,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
     worker(a.path, a.ids_root, a.out, **{k: v for k,v in vars(a).items() if k in ('bs', 'size', 'arch', 'epochs', 'batches') and v is not None})
 
-if __name__ == '__main__': main()
+# %% ../nbs/07b_bench_gpus.ipynb #c014b
+#| eval: false
+if __name__ == '__main__': main()  # (not run in this notebook)
