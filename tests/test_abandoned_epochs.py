@@ -1,10 +1,7 @@
 """Nothing accumulates: abandoned epochs, `lr_find`, a long run (the rest of the lifecycle: `test_lifecycle.py`).
 
-Items are tiny lossless PNGs of one solid colour that encodes the item's id (red = id % 256, green = id // 256), and an
-item's class is `CLASSES[id % 3]`, so every delivered sample says which item it is (its pixels) and which label it
-must carry. Resizing a solid image keeps its colour exactly, so the ids are read back exactly; a sample whose pixels
-are not all one colour (a blend of several items) fails the decoding. `IdNet` is a tiny trainable classifier whose
-last output column is the id its input encodes, so `get_preds` shows which item each prediction belongs to.
+The items and `IdNet` are `test_lifecycle.py`'s (`make_id_folder`, `IdNet` in `conftest.py`): each sample's pixels say
+which item it is, and its label which class it must carry.
 
 What each group asserts (numbers measured on the 2-core CPU machine this was written on, DALI 2.4 CPU backend):
 - Abandoned epochs: cycles of train `one_batch` / valid `one_batch` / break out of a train epoch after k batches /

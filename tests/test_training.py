@@ -4,12 +4,13 @@
   callback no training batch does, and the records (`recorder.losses`, `recorder.values`), `learn.smooth_loss` and
   the weights are fastai's own, with the progress bar on and off (DaliDataLoaders, on this run's device);
 - on a GPU, `torch.cuda.set_sync_debug_mode('warn')` sees every synchronizing call of torch from the loss to the
-  end of the batch's callbacks: at least one per batch with fastai's own smoothed loss, none with the callback.
+  end of the batch's callbacks: at least one per batch with fastai's own smoothed loss, none with the callback; and
+  none in `DaliDL`'s own path from DALI's output to fastai's batch (targets, types, device).
 """
 import warnings
 import pytest, torch
 import fastai.learner
-from fastai.vision.all import Learner, Callback, Resize
+from fastai.vision.all import Learner, Callback, Resize, Normalize, imagenet_stats
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import DeviceLossCallback, DeviceSmoothLoss
 from conftest import DEVICE, make_id_folder, IdNet, IdLoss
@@ -75,3 +76,15 @@ def test_no_host_sync_per_training_batch(id_root):
         res[name] = s.per_batch
     assert all(n >= 1 for n in res['fastai']), res      # the check sees fastai's copy of the loss
     assert res['device'] == [0]*len(res['device']), res
+
+@pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
+def test_no_host_sync_in_the_loader(id_root):
+    dls = DaliDataLoaders.from_folder(id_root, item_tfms=Resize(4), batch_tfms=Normalize.from_stats(*imagenet_stats),
+                                      bs=6, device=DEVICE)
+    it = iter(dls.train); next(it)   # built, and its first batch out
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always'); torch.cuda.set_sync_debug_mode('warn')
+        try: n = sum(len(next(it)[0]) for _ in range(3))
+        finally: torch.cuda.set_sync_debug_mode('default')
+    assert n == 18 and not [str(w.message) for w in seen if 'synchronizing' in str(w.message)]
+    for _ in it: pass
