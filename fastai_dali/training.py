@@ -29,6 +29,7 @@ class DeviceLossCallback(Callback):
     "Keep fastai's smoothed training loss on the device during `fit`: no host sync per training batch (opt-in)"
     order = Recorder.order + 1
     _stateattrs = ('_copy',)  # a CUDA event cannot be pickled (`learn.export`)
+    def __init__(self): super().__init__()  # (no options)
     def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown = None,False,None
 
     def in_fit(self, learn):
