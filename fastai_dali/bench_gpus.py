@@ -136,11 +136,15 @@ def worker(path, ids_root, out, bs=128, size=224, arch='resnet50', epochs=2, bat
     dist.barrier()
 
 # %% ../nbs/07b_bench_gpus.ipynb #c012
+def _free_port():
+    import socket
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
 def _launch(k, out, path, ids_root, cpu, timeout, **kw):
     env = {**os.environ, 'PYTHONWARNINGS': 'ignore'}
     if cpu: env.update(ACCELERATE_USE_CPU='1', OMP_NUM_THREADS='1')
     args = [f'--{k_}={v}' for k_,v in kw.items()]
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(k), '--master_port', str(29500+k),
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(k), '--master_port', str(_free_port()),
            '-m', 'fastai_dali.bench_gpus', 'worker', str(path), str(ids_root), str(out), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode: raise RuntimeError(f"{k} processes failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
