@@ -16,9 +16,10 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 # %% auto #0
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
-           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'fit_throughput', 'torch_loop_throughput',
-           'trace_summary', 'fit_trace', 'memory_over_epochs', 'make_bench_dataset', 'augment_steps', 'pixel_parity',
-           'mixed_workers', 'run_bench', 'throughput_targets', 'cli', 'gpu_memory_mb', 'time_loader']
+           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput',
+           'torch_loop_throughput', 'trace_summary', 'fit_trace', 'memory_over_epochs', 'make_bench_dataset',
+           'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench', 'throughput_targets', 'cli', 'gpu_memory_mb',
+           'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -177,11 +178,17 @@ def serial_bound(model_img_s, loader_img_s):
     "Training img/s if every image costs the model's time plus the loader's (no overlap)"
     return 1/(1/model_img_s + 1/loader_img_s)
 
-def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True, cbs=()):
-    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`"
-    learn = Learner(dls, create_vision_model(arch, n_out, pretrained=False), loss_func=CrossEntropyLossFlat())
+def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None):
+    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last"
+    m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
+    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat())
     if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
     elif bf16: learn.to_bf16()
+    return learn
+
+def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True, cbs=()):
+    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`"
+    learn = bench_learner(dls, arch, n_out, bf16, channels_last)
     t = _TrainTimer()
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
     return t.img_s
@@ -267,10 +274,7 @@ def trace_summary(events, bs):
 def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None):
     "Profile `n` training batches of `learn.fit` (after `start`) with torch.profiler, CUDA kernels of the whole process (DALI's too) included: `trace_summary`; the chrome trace to `fname` (.json.gz)"
     from torch.profiler import profile, ProfilerActivity
-    m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
-    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat())
-    if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
-    elif bf16: learn.to_bf16()
+    learn = bench_learner(dls, arch, n_out, bf16, channels_last, model)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=acts)
     with learn.no_bar(), learn.no_logging(): learn.fit(1 + (start+n)//max(1, len(dls.train)), 1e-3, cbs=[_TraceBatches(prof, start, n), *cbs])

@@ -244,7 +244,8 @@ def _build(self:DaliDL):
     split_idx = getattr(self.dataset, 'split_idx', None)
     # a rebuilt pipeline draws new permutations and augmentations, reproducibly: its seed counts the pipelines built
     # for the same work in the family (`PipelineCache`), not those of other loaders
-    seed,kw = self.seed+self.pipelines.builds_for(self._signature()),{}
+    sig = self._signature()
+    seed,kw = self.seed+self.pipelines.builds_for(sig),{}
     if masks is not None and (isinstance(src, PythonSource) or any(tr.f is python_item_tfm for _,tr in plan.items)):
         raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
     shard_id,num_shards,gather_n,reader_seed = self.shard_id,self.num_shards,None,self._reader_seed(seed)
@@ -284,8 +285,7 @@ def _build(self:DaliDL):
     finally:
         if source is not None:  # written and read while the iterator builds the pipeline (workers attached): gone now
             source.drop_file(); source.flag.unlink()
-    self._built = self.pipelines.add(BuiltPipeline(pipe, it, plan, log, self._signature(), files, names, source, gather_n,
-                                                   self.dataset))
+    self._built = self.pipelines.add(BuiltPipeline(pipe, it, plan, log, sig, files, names, source, gather_n, self.dataset))
     self._n_builds += 1
     return self._built
 
