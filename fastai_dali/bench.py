@@ -87,9 +87,12 @@ from fastprogress.fastprogress import progress_bar
 # %% ../nbs/07_bench.ipynb #c012
 def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True):
     "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first)"
+    # in rounds, every loader once per round: a drift of the machine's speed during the run reaches every loader alike
     res,names = {},list(loaders)
-    for name in (progress_bar(names) if show_progress else names):
-        runs = [time_loader(loaders[name](), max_batches=max_batches, warmup=warmup) for _ in range(repeats)]
+    passes,order = {k: [] for k in names},[k for _ in range(repeats) for k in names]
+    for name in (progress_bar(order) if show_progress else order):
+        passes[name].append(time_loader(loaders[name](), max_batches=max_batches, warmup=warmup))
+    for name,runs in passes.items():
         r = dict(runs[0]); r['runs'] = [o['img_s'] for o in runs]
         r['img_s'] = statistics.median(r['runs'])
         for k in ('mem_peak_mb', 'mem_steady_mb', 'mem_added_mb'):
@@ -155,11 +158,13 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.vision.learner import create_vision_model
 
 class _TrainTimer(Callback):
+    "Training img/s of every epoch (`runs`); validation skipped"
     order = 100
+    def before_fit(self): self.runs = []
     def before_train(self): _sync(); self.t0,self.n = time.perf_counter(),0
     def after_batch(self):
         if self.training: self.n += len(self.xb[0])
-    def after_train(self): _sync(); self.img_s = self.n/(time.perf_counter()-self.t0)
+    def after_train(self): _sync(); self.runs.append(self.n/(time.perf_counter()-self.t0))
     def before_validate(self): raise CancelValidException()
 
 class SyntheticDL(DataLoader):
@@ -186,18 +191,24 @@ def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None):
     elif bf16: learn.to_bf16()
     return learn
 
-def fit_throughput(dls, arch, n_out, epochs=2, bf16=True, channels_last=True, cbs=()):
-    "Training img/s of `learn.fit(epochs)`' last epoch for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`"
+def _timed_epochs(runs, into=None):
+    "The median img/s of the epochs after the first (the first builds, compiles and warms up); all of them into `into`"
+    timed = runs[1:] or runs
+    if into is not None: into.extend(timed)
+    return float(statistics.median(timed))
+
+def fit_throughput(dls, arch, n_out, epochs=3, bf16=True, channels_last=True, cbs=(), runs=None):
+    "Training img/s of `learn.fit(epochs)` for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`: the median of the epochs after the first (each appended to `runs`)"
     learn = bench_learner(dls, arch, n_out, bf16, channels_last)
     t = _TrainTimer()
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
-    return t.img_s
+    return _timed_epochs(t.runs, runs)
 
-def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=True, device='cuda'):
-    "Training img/s (last of `epochs`) of a plain PyTorch loop over `dl`: SGD, bf16 autocast, channels_last, no callbacks"
+def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=True, device='cuda', runs=None):
+    "Training img/s of a plain PyTorch loop over `dl` (SGD, bf16 autocast, channels_last, no callbacks): as `fit_throughput` reports it"
     mf = torch.channels_last if channels_last else torch.contiguous_format
     m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf)
-    opt,lf = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),torch.nn.CrossEntropyLoss()
+    opt,lf,per_epoch = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),torch.nn.CrossEntropyLoss(),[]
     for _ in range(epochs):
         _sync(); t0,n = time.perf_counter(),0
         for x,y in dl:
@@ -205,8 +216,8 @@ def torch_loop_throughput(dl, arch, n_out, epochs=2, bf16=True, channels_last=Tr
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                 loss = lf(m(x), y.as_subclass(torch.Tensor).long())
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
-        _sync(); ips = n/(time.perf_counter()-t0)
-    return ips
+        _sync(); per_epoch.append(n/(time.perf_counter()-t0))
+    return _timed_epochs(per_epoch, runs)
 
 # %% ../nbs/07_bench.ipynb #c019c
 import gzip
@@ -375,7 +386,7 @@ def mixed_workers(root, py_workers, bs=128, size=224, device=None, repeats=3, wa
 
 # %% ../nbs/07_bench.ipynb #c030
 def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=None, repeats=3, max_batches=60,
-              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=2, aug=True, mixed=True, mem_epochs=10, warmup=3,
+              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
               sections=DEFAULT_SECTIONS, py_workers=(4,8,16), parity_n=150):
     "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`"
     from fastai.vision.all import (ImageDataLoaders, Resize, Normalize, imagenet_stats, aug_transforms, parent_label,
@@ -457,22 +468,28 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
                                                                   repeats=repeats, warmup=warmup)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
-    fit = {}
+    fit,fit_runs = {},{}
+    # fewer DALI threads when the training loop shares the cores (fastai's loop thread launches the model's kernels)
+    dls_nt = {t: DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)} if gpu and 'training' in S else {}
     for a in (archs if gpu and 'training' in S else []):
         arch = getattr(models, a)
         sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
-        fit[a] = {'model only (synthetic batches on the GPU)': fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs),
-                  'DaliDataLoaders': fit_throughput(dls, arch, dls.c, epochs=epochs),
-                  f'ImageDataLoaders ({W} workers)': fit_throughput(idls[W], arch, dls.c, epochs=epochs),
-                  'plain PyTorch loop, synthetic batches': torch_loop_throughput(sdl, arch, dls.c, epochs=epochs, device=device),
-                  'plain PyTorch loop, DaliDataLoaders': torch_loop_throughput(dls.train, arch, dls.c, epochs=epochs, device=device)}
-        # fastai's smoothed loss on the GPU (`DeviceLossCallback`): no host sync per batch, in both
-        fit[a]['model only, DeviceLossCallback'] = fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs=epochs, cbs=[DeviceLossCallback()])
-        fit[a]['DaliDataLoaders, DeviceLossCallback'] = fit_throughput(dls, arch, dls.c, epochs=epochs, cbs=[DeviceLossCallback()])
+        loss_cb = lambda: [DeviceLossCallback()]  # fastai's smoothed loss on the GPU: no host sync per batch
+        rows = {'model only (synthetic batches on the GPU)': lambda r: fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs, runs=r),
+                'DaliDataLoaders': lambda r: fit_throughput(dls, arch, dls.c, epochs, runs=r),
+                f'ImageDataLoaders ({W} workers)': lambda r: fit_throughput(idls[W], arch, dls.c, epochs, runs=r),
+                'plain PyTorch loop, synthetic batches': lambda r: torch_loop_throughput(sdl, arch, dls.c, epochs, device=device, runs=r),
+                'plain PyTorch loop, DaliDataLoaders': lambda r: torch_loop_throughput(dls.train, arch, dls.c, epochs, device=device, runs=r),
+                'model only, DeviceLossCallback': lambda r: fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs, cbs=loss_cb(), runs=r),
+                'DaliDataLoaders, DeviceLossCallback': lambda r: fit_throughput(dls, arch, dls.c, epochs, cbs=loss_cb(), runs=r),
+                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': (lambda d: lambda r: fit_throughput(d, arch, dls.c, epochs, cbs=loss_cb(), runs=r))(d)
+                   for t,d in dls_nt.items()}}
+        fit[a],fit_runs[a] = {},{}
+        for k,f in rows.items(): fit[a][k] = f(fit_runs[a].setdefault(k, []))
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
-    res['fit_img_s'] = fit
+    res['fit_img_s'],res['fit_runs'] = fit,fit_runs  # medians, and every timed epoch
     if 'trace' in S and gpu:  # the timeline of 20 training batches of each arch, DaliDataLoaders and model-only
         tr = res['fit_trace'] = {}
         for a in archs:
@@ -539,8 +556,10 @@ def _write_results(res, out, mem_epochs):
         md += [f"| {k} | {v['mean']:.2f} | {v['p99']:.0f} | {v['max']:.0f} | {v['n']} |" for k,v in res['parity'].items()]
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
     for a,f in res['fit_img_s'].items():
-        md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s', '', '| data | img/s |', '|---|---:|']
-        md += [f'| {k} | {v:,.0f} |' for k,v in f.items()]
+        runs = res.get('fit_runs', {}).get(a, {})
+        md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s: median of the epochs after the first',
+               '', '| data | img/s | epochs timed: min - max |', '|---|---:|---:|']
+        md += [f"| {k} | {v:,.0f} | {f'{min(runs[k]):,.0f} - {max(runs[k]):,.0f}' if runs.get(k) else ''} |" for k,v in f.items()]
     if res.get('fit_trace'):
         md += ['', '### Timeline of 20 training batches (torch.profiler: every CUDA kernel and runtime call of the process)', '',
                '| run | img/s | GPU busy | DALI kernels ms/batch | model kernels ms/batch | host syncs/batch | ms waiting | CPU: fastai batch ms | CPU: between batches ms |',
@@ -568,7 +587,7 @@ def cli(argv=None):
     b.add_argument('--device', default=None, help="'cuda' or 'cpu' (default: cuda when DALI sees a GPU)")
     b.add_argument('--repeats', type=int, default=3); b.add_argument('--max-batches', type=int, default=60)
     b.add_argument('--archs', default='resnet18,resnet50', help="models for learn.fit timing ('' to skip)")
-    b.add_argument('--epochs', type=int, default=2); b.add_argument('--out', default='fastai_dali_bench')
+    b.add_argument('--epochs', type=int, default=3, help='of each fit row (the first is not timed)'); b.add_argument('--out', default='fastai_dali_bench')
     b.add_argument('--mem-epochs', type=int, default=10, help='epochs of the memory section')
     b.add_argument('--py-workers', default='4,8,16', help='worker process counts of the mixed-workers section')
     b.add_argument('--parity-n', type=int, default=150, help='generated JPEGs of the parity section')

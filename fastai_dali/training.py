@@ -15,14 +15,31 @@ __all__ = ['DeviceSmoothLoss', 'DeviceLossCallback']
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
-    "fastai's `AvgSmoothLoss`, computed on the loss's device while `owner` (a `DeviceLossCallback`) is in a fit: no copy to the CPU per batch"
+    "fastai's `AvgSmoothLoss` with no copy to the CPU per batch while `owner` (a `DeviceLossCallback`) is in a fit"
     def __init__(self, beta=0.98, owner=None): super().__init__(beta); self.owner = owner
+    def reset(self): super().reset(); self.pending,self.history,self.dval = [],[],None
+
     def accumulate(self, learn):
-        # after a fit that ended in an error (fastai then runs no `after_fit`), fastai's own computation again
-        on_device = self.owner is not None and self.owner.in_fit(learn)
-        self.count += 1
-        loss = to_detach(learn.loss.mean(), cpu=not on_device)  # gathered from every rank, as fastai's `to_detach` gathers it
-        self.val = torch.lerp(loss, self.val.to(loss.device), self.beta)
+        if self.owner is None or not self.owner.in_fit(learn):  # after a fit that ended in an error: fastai's own
+            self.replay(); return super().accumulate(learn)
+        loss = to_detach(learn.loss.mean(), cpu=False)  # gathered from every rank, as fastai's `to_detach` gathers it
+        self.pending.append(loss)
+        self.dval = torch.lerp(loss, loss.new_zeros(()) if self.dval is None else self.dval, self.beta)
+
+    def replay(self):
+        "fastai's own computation (`torch.lerp` on the CPU) over the losses waiting on the device, after one copy"
+        if not self.pending: return
+        for l in torch.stack(self.pending).cpu().unbind():
+            self.count += 1
+            self.val = torch.lerp(l, self.val, self.beta)
+            self.history.append(self.val/(1-self.beta**self.count))  # what fastai's `Recorder` records for that batch
+        self.pending = []
+
+    @property
+    def value(self):
+        "Inside a training batch the device's running value (no wait); anywhere else fastai's, exactly"
+        if self.pending and getattr(self.owner, 'in_batch', False): return self.dval/(1-self.beta**(self.count+len(self.pending)))
+        self.replay(); return self.val/(1-self.beta**self.count)
 
 # %% ../nbs/04b_training.ipynb #c006
 class DeviceLossCallback(Callback):
@@ -30,7 +47,7 @@ class DeviceLossCallback(Callback):
     order = Recorder.order + 1
     _stateattrs = ('_copy',)  # a CUDA event cannot be pickled (`learn.export`)
     def __init__(self): super().__init__()  # (no options)
-    def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown = None,False,None
+    def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown,self.in_batch = None,False,None,False
 
     def in_fit(self, learn):
         "Whether `learn`'s current fit is this callback's (not one after a fit that ended in an error)"
@@ -45,7 +62,7 @@ class DeviceLossCallback(Callback):
         fastai_loss = vars(rec)['fastai_smooth_loss']
         vars(rec)['smooth_loss'] = DeviceSmoothLoss(beta=fastai_loss.beta, owner=self)
         rec.smooth_loss.reset()
-        self.fitting,self.n_moved,self.shown,self._copy = True,0,None,None
+        self.fitting,self.n_moved,self.shown,self._copy,self.in_batch = True,0,None,None,False
         pc = getattr(self.learn, 'progress', None)  # fastai's ProgressCallback, if the bar is on
         if pc is not None: pc.after_batch = self._progress_after_batch(pc)
 
@@ -57,8 +74,11 @@ class DeviceLossCallback(Callback):
             if self.shown is not None: pc.pbar.comment = f'{self.shown:.4f}'
         return after_batch
 
+    def before_batch(self): self.in_batch = self.fitting and self.training
+
     def after_batch(self):
-        if not (self.fitting and self.training): return
+        if not self.in_batch: return
+        self.in_batch = False
         v = self.learn.smooth_loss  # (one value per rank in a distributed run, as fastai gathers it: then nothing is shown)
         show = lambda t: float(t) if t.numel() == 1 else None
         if v.device.type != 'cuda': self.shown = show(v); return  # on the CPU a read costs no wait
@@ -70,11 +90,11 @@ class DeviceLossCallback(Callback):
         self._copy = (buf, ev)
 
     def after_epoch(self):
-        "The losses recorded this epoch, on the CPU as fastai keeps them (one copy)"
+        "The losses recorded this epoch: fastai's own values, on the CPU (one copy per epoch)"
         if not self.fitting: return
-        rec = self.learn.recorder
-        new = rec.losses[self.n_moved:]
-        if new: rec.losses[self.n_moved:] = list(torch.stack([torch.as_tensor(l).detach() for l in new]).cpu().unbind())
+        rec,ours = self.learn.recorder,self.learn.recorder.smooth_loss
+        ours.replay()
+        rec.losses[self.n_moved:] = ours.history[self.n_moved:len(rec.losses)]
         self.n_moved = len(rec.losses)
 
     def after_fit(self):
@@ -82,9 +102,9 @@ class DeviceLossCallback(Callback):
         self.after_epoch()  # a fit cancelled mid-epoch
         rec,ours = self.learn.recorder,self.learn.recorder.smooth_loss
         fastai_loss = vars(rec).pop('fastai_smooth_loss')
-        fastai_loss.count,fastai_loss.val = ours.count,ours.val.cpu()
+        fastai_loss.count,fastai_loss.val = ours.count,ours.val
         vars(rec)['smooth_loss'] = fastai_loss
         if hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = fastai_loss.value
         pc = getattr(self.learn, 'progress', None)
         if pc is not None: pc.__dict__.pop('after_batch', None)
-        self.fitting,self._copy = False,None
+        self.fitting,self._copy,self.in_batch = False,None,False

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU test suite on a machine with an NVIDIA GPU, once DALI, fastai and torch are installed into /tmp/site
 # (`pip install --target /tmp/site ...`; the package itself is imported from this source tree).
-# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | training | gpus | none;
+# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | loaders | training | gpus | none;
 # SKIP_SUITE=1 runs the extra alone;
 # PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
 # or DIST=worksteal: tests handed out one at a time;
@@ -20,20 +20,35 @@ run=${1:-1}; extra=${2:-none}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1
 if [[ -z ${SKIP_SUITE:-} ]]; then
+# the GPU's memory and load, and each process's memory, every 2 s while the suite runs
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,utilization.decoder --format=csv,noheader -l 2 > $OUT/gpu_usage_run$run.csv 2>&1 &
+smi=$!
+nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 2 > $OUT/gpu_apps_run$run.csv 2>&1 &
+apps=$!
 t0=$(date +%s)
-timeout ${SUITE_TIMEOUT:-470} python3 -m pytest -q -p no:cacheprovider -rfEX --durations=25 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
+# -v: one line per test as it ends (names survive a cut run); SIGINT at the limit: pytest still prints its failures and summary
+timeout -s INT -k 20 ${SUITE_TIMEOUT:-470} python3 -m pytest -v -p no:cacheprovider -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
 echo "rc $? wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
-tail -4 $OUT/pytest_cuda_run$run.txt
+grep -E '^(FAILED|ERROR)|passed|failed' $OUT/pytest_cuda_run$run.txt | tail -8
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt
+kill $smi $apps 2>/dev/null
+# nvImageCodec falls back from the hardware JPEG decoder to the CUDA one when it cannot create its state
+grep -c 'Could not create nvjpeg decoder' $OUT/pytest_cuda_run$run.txt | sed 's/^/hardware JPEG decoder not created (times, in the output of failed tests): /' | tee -a $OUT/pytest_cuda_run$run.txt
+sort -t, -k2 -n -r $OUT/gpu_usage_run$run.csv 2>/dev/null | head -1 | sed 's/^/GPU memory used at most: /' | tee -a $OUT/pytest_cuda_run$run.txt
 fi
 case $extra in
 resize)  # resize windows and pixel parity (the bench's sections), on 4,000 generated JPEGs
   timeout 240 python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 4000 --device cuda \
     --sections resize,parity --archs '' --repeats 2 --out $OUT/resize > $OUT/resize.txt 2>&1; echo "rc $?" >> $OUT/resize.txt
   tail -30 $OUT/resize.txt ;;
-training)  # learn.fit with and without DeviceLossCallback, its timeline (trace), RandomResizedCrop's window decode
+loaders)  # the loader rows (throughput, augmentations, RandomResizedCrop's window decode, hw_decoder_load), 5 rounds
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
-    --sections throughput,augment,training,trace --workers 16 --archs resnet18,resnet50 --repeats 3 --max-batches 50 \
+    --sections throughput,augment --workers 16 --archs '' --repeats 5 --max-batches 50 \
+    --out $OUT/loaders > $OUT/loaders.txt 2>&1; echo "rc $?" >> $OUT/loaders.txt
+  rm -rf $OUT/loaders/data_*; tail -30 $OUT/loaders.txt ;;
+training)  # learn.fit with and without DeviceLossCallback and with fewer DALI threads (3 epochs, 2 timed), its timeline (trace)
+  timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
+    --sections training,trace --workers 16 --archs resnet18,resnet50 --epochs 3 --repeats 3 --max-batches 50 \
     --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
   rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
 gpus)  # several GPUs (the 2-GPU kind): `fastai-dali bench-gpus`, 1 GPU and every GPU, resnet50, DaliDataLoaders and ImageDataLoaders
