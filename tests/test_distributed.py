@@ -3,10 +3,14 @@ them (2 cores). `distributed_worker.py` holds the checks each rank runs; here th
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest
-from conftest import make_id_folder
+from conftest import DEVICE, make_id_folder
 
 HERE = Path(__file__).parent
 pytest.importorskip('accelerate', reason="fastai's distributed training needs accelerate (the dev extra installs it)")
+# Every process here runs on the CPU (gloo, DALI's CPU backend, `ACCELERATE_USE_CPU=1`) whatever the machine has: on a
+# GPU machine these would repeat what CI checks on every commit, inside a GPU suite that must fit 8 minutes. Several
+# GPUs are checked by `fastai-dali bench-gpus` (nbs/07b_bench_gpus.ipynb), on a machine that has them.
+pytestmark = pytest.mark.skipif(DEVICE != 'cpu', reason='CPU processes only (gloo): CI runs these; several GPUs: fastai-dali bench-gpus')
 
 def launch(cmd, tmp_path, timeout=600):
     root,out = make_id_folder(tmp_path/'ids', n_train=13, n_valid=11),tmp_path/'out'
