@@ -15,7 +15,7 @@ if [[ $procs -gt 1 ]]; then
   python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   xd="-n $procs --dist ${DIST:-loadfile}"
 fi
-export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl
+export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl FASTAI_DALI_BUILD_LOG=$OUT/builds_cuda.jsonl
 run=${1:-1}; extra=${2:-none}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1

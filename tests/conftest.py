@@ -115,6 +115,33 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {f: i for i,f in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # a stable sort
 
+# FASTAI_DALI_BUILD_LOG=FILE (scripts/gpu_suite.sh sets it): a JSON line per test with its seconds, the pipelines it
+# built and the seconds they took, and the DALI pipelines alive at its end (all this process's, earlier tests' too)
+BUILD_LOG = os.environ.get('FASTAI_DALI_BUILD_LOG')
+
+@pytest.fixture(scope='session')
+def _build_counter():
+    import fastai_dali.loader as L
+    orig,stats = L.DaliDL._build,{'n': 0, 's': 0.0}
+    def timed(self, *args, **kwargs):
+        t = time.perf_counter()
+        try: return orig(self, *args, **kwargs)
+        finally: stats['n'] += 1; stats['s'] += time.perf_counter() - t
+    L.DaliDL._build = timed
+    yield stats
+    L.DaliDL._build = orig
+
+@pytest.fixture(autouse=True)
+def _log_builds(request):
+    if not BUILD_LOG: yield; return
+    import json
+    stats = request.getfixturevalue('_build_counter')
+    n,s,t = stats['n'],stats['s'],time.perf_counter()
+    yield
+    rec = dict(test=request.node.nodeid, pid=os.getpid(), seconds=round(time.perf_counter()-t, 2),
+               builds=stats['n']-n, build_seconds=round(stats['s']-s, 2), live_pipelines=len(_live_pipes))
+    with open(BUILD_LOG, 'a') as f: f.write(json.dumps(rec) + '\n')
+
 # Measured DALI-vs-fastai pixel differences, filled by test_parity.py and printed at the end of the run
 PARITY_STATS = {}
 
