@@ -4,7 +4,8 @@
 
 1. A Learner under `distrib_ctx`: every batch of `fit` and `get_preds` comes from a `DaliDL` (DALI, not fastai's PIL
    path); per epoch the ranks run the same number of batches and see every training item, at most `world-1` twice;
-   the gathered `get_preds` are the single-process ones, in dataset order; a second `get_preds` builds no pipeline.
+   the gathered `get_preds` are the single-process ones, in dataset order; a second `get_preds` builds no pipeline;
+   a `test_dl` of 7 items (padded on 2 ranks) and `tta` give every item once, in order.
 2. Loaders alone, for n = 1..13 items, shuffled or not, drop_last or not: the same checks, over 3 epochs.
 3. Masks and multi-label targets of an unshuffled loader, gathered from every rank (`to_detach`): the single-process
    ones, in dataset order.
@@ -56,11 +57,17 @@ def learner_checks(root, rank, world):
         built = dls.valid.pipelines.n_builds
         again,_ = learn.get_preds()
         assert dls.valid.pipelines.n_builds == built and torch.equal(again, preds), "get_preds built a pipeline again"
+        tdl = dls.test_dl(dls.valid_ds.items[:7])   # 7 items: padded to 8 on 2 ranks
+        tpreds,_ = learn.get_preds(dl=tdl)
+        tta_preds,tta_targs = learn.tta(n=2)
     assert rec.types == {'DaliDL'}, f"batches came from {rec.types}, not only from DaliDL"
     train = [id_of(f) for f in dls.train_ds.items]
     for ep in rec.epochs: check_train_epoch(gather(ep), train, world)
     valid = [id_of(f) for f in dls.valid_ds.items]
     assert preds[:, -1].long().tolist() == valid, (preds[:, -1].long().tolist(), valid)
+    # a test_dl and tta, gathered: every item once, in order (no augmentation here, so tta's passes are the plain one)
+    assert tpreds[:, -1].long().tolist() == valid[:7], (tpreds[:, -1].long().tolist(), valid[:7])
+    assert tta_preds[:, -1].round().long().tolist() == valid and torch.equal(plain(tta_targs), plain(targs))
     # what one process computes with the same model on the whole valid set (fastai's get_preds would gather here too:
     # WORLD_SIZE is set), in dataset order
     with torch.no_grad(): xs,ys = zip(*[(learn.loss_func.activation(learn.model(x)), y) for x,y in dls.valid])
