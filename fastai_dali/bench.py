@@ -93,10 +93,9 @@ def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=
     for name in (progress_bar(order) if show_progress else order):
         passes[name].append(time_loader(loaders[name](), max_batches=max_batches, warmup=warmup))
     for name,runs in passes.items():
+        # memory from the first round, when the loaders timed so far were the only ones built (later rounds see them all)
         r = dict(runs[0]); r['runs'] = [o['img_s'] for o in runs]
         r['img_s'] = statistics.median(r['runs'])
-        for k in ('mem_peak_mb', 'mem_steady_mb', 'mem_added_mb'):
-            if k in r: r[k] = max(o[k] for o in runs) if k != 'mem_steady_mb' else statistics.median(o[k] for o in runs)
         res[name] = r
     base = res[baseline or names[0]]['img_s']
     for r in res.values(): r['ratio'] = r['img_s']/base

@@ -62,7 +62,7 @@ class DeviceLossCallback(Callback):
         fastai_loss = vars(rec)['fastai_smooth_loss']
         vars(rec)['smooth_loss'] = DeviceSmoothLoss(beta=fastai_loss.beta, owner=self)
         rec.smooth_loss.reset()
-        self.fitting,self.n_moved,self.shown,self._copy,self.in_batch = True,0,None,None,False
+        self.fitting,self.shown,self._copy,self.in_batch = True,None,None,False
         pc = getattr(self.learn, 'progress', None)  # fastai's ProgressCallback, if the bar is on
         if pc is not None: pc.after_batch = self._progress_after_batch(pc)
 
@@ -79,7 +79,7 @@ class DeviceLossCallback(Callback):
     def after_batch(self):
         if not self.in_batch: return
         self.in_batch = False
-        v = self.learn.smooth_loss  # (one value per rank in a distributed run, as fastai gathers it: then nothing is shown)
+        v = self.learn.smooth_loss  # (in a distributed run, the mean over the ranks, as fastai's `to_detach` gathers it)
         show = lambda t: float(t) if t.numel() == 1 else None
         if v.device.type != 'cuda': self.shown = show(v); return  # on the CPU a read costs no wait
         if self._copy is not None and not self._copy[1].query(): return  # the last copy is still on its way
@@ -89,13 +89,22 @@ class DeviceLossCallback(Callback):
         ev = torch.cuda.Event(); ev.record()
         self._copy = (buf, ev)
 
+    def _settle(self):
+        "fastai's values from here on: the losses waiting on the device replayed, `learn.smooth_loss` fastai's"
+        if not self.fitting: return
+        self.in_batch = False  # (an exception may have cut the batch before this callback's `after_batch`)
+        self.learn.smooth_loss = self.learn.recorder.smooth_loss.value  # (read outside a batch: replayed)
+    # a cut training phase or epoch (the Recorder then reads no `train_loss`, but counts the iterations)
+    after_train = after_cancel_train = after_cancel_epoch = _settle
+
     def after_epoch(self):
         "The losses recorded this epoch: fastai's own values, on the CPU (one copy per epoch)"
         if not self.fitting: return
         rec,ours = self.learn.recorder,self.learn.recorder.smooth_loss
         ours.replay()
-        rec.losses[self.n_moved:] = ours.history[self.n_moved:len(rec.losses)]
-        self.n_moved = len(rec.losses)
+        k = min(len(ours.history), len(rec.losses))  # this epoch's batches (the last ones, whatever else trimmed the list)
+        if k: rec.losses[-k:] = ours.history[-k:]
+        ours.history = []
 
     def after_fit(self):
         if not self.fitting: return

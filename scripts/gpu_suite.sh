@@ -25,6 +25,7 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,utilization.decoder
 smi=$!
 nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 2 > $OUT/gpu_apps_run$run.csv 2>&1 &
 apps=$!
+trap 'kill $smi $apps 2>/dev/null' EXIT  # the samplers end with the script, however it ends
 t0=$(date +%s)
 # -v: one line per test as it ends (names survive a cut run); SIGINT at the limit: pytest still prints its failures and summary
 timeout -s INT -k 20 ${SUITE_TIMEOUT:-470} python3 -m pytest -v -p no:cacheprovider -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1

@@ -14,8 +14,8 @@ What each group asserts (numbers measured on the 2-core CPU machine this was wri
   distinct items with their labels, and every valid item once, in order.
 - 20 epochs of `fit` (64x64 images): every epoch correct and reshuffled, and nothing accumulates over epochs 5..20.
 - Leaks ("nothing accumulates"): the threads (Python and native, /proc/self/task), open fds, child processes and live
-  DALI pipelines (`fastai_dali.pipeline._live_pipes`) grow neither in every interval nor after the middle sample (a
-  resource made once, late, grows once: on the H200 nvImageCodec could not create the hardware JPEG decoder's state
+  DALI pipelines (`fastai_dali.pipeline._live_pipes`) grow in at most one interval between samples (a resource
+  made once, late, grows once: on the H200 nvImageCodec could not create the hardware JPEG decoder's state
   once under the suite's load, fell back to its CUDA decoder, and 6 more fds stayed open from then on), and the only pipelines alive
   that the test made are its loaders' current and kept ones; no type of Python object (gc census, the test's own records left
   out) grows in every interval by one or more per cycle or epoch; malloc'd memory (glibc's count of what the process
@@ -74,19 +74,19 @@ def test_abandoned_epochs_cycles(id_root, kind):
         run_with_timeout(lambda: cycle(c), 60)
         if c % SAMPLE == 0:   # objects first: their census (a Counter) is then part of every later sample
             if c in at: census[c] = live_objects() - tracked_in(samples, census)  # (it collects garbage)
-            samples[c] = resources(samples.get(SAMPLE), collect=c not in at)
+            samples[c] = resources(samples[max(samples)] if samples else None, collect=c not in at)  # settles to the last
     a,b = samples[SAMPLE],samples[n_cycles]
     steps = [kb_diff(samples[c]['in_use'], samples[c+SAMPLE]['in_use']) for c in range(SAMPLE, n_cycles, SAMPLE)]
     print(f"\n{kind}: {n_cycles} cycles in {time.monotonic()-t0:.1f} s; {samples}; malloc'd memory, growth per "
           f"{SAMPLE} cycles: {steps} KB; RSS growth: {b['rss']-a['rss']} KB; free memory glibc keeps: {b['free']} KB")
-    # nothing accumulates: threads (Python and native), open files, worker processes, DALI pipelines: none grows in
-    # every interval (a leak per cycle), none after the middle sample (fewer is fine: an earlier test's went meanwhile)
+    # nothing accumulates: threads (Python and native), open files, worker processes, DALI pipelines grow in at most
+    # one interval between samples (a resource made once, late); a leak per cycle or per few cycles grows in several
+    # (fewer is fine: an earlier test's went meanwhile)
     cs = sorted(samples)
-    grows = [k for k in COUNTS if all(samples[d][k] > samples[c][k] for c,d in zip(cs, cs[1:]))]
-    assert not grows, {k: [samples[c][k] for c in cs] for k in grows}
-    for c in (c for c in cs if c > at[1]):
-        more = {k: (samples[at[1]][k], samples[c][k]) for k in COUNTS if samples[c][k] > samples[at[1]][k]}
-        assert not more, f"cycle {c}, (at cycle {at[1]}, now): {more}"
+    assert len(cs) >= 3, cs
+    grows = {k: [samples[c][k] for c in cs] for k in COUNTS
+             if sum(samples[d][k] > samples[c][k] for c,d in zip(cs, cs[1:])) > 1}
+    assert not grows, f"counts at cycles {cs}: {grows}"
     assert {id(p) for p in _live_pipes} - pre == pipes_of(dls.train, dls.valid), "a DALI pipeline outlives its loader"
     # ... Python objects of any type ...
     acc = accumulating(census)
