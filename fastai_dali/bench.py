@@ -473,18 +473,18 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
     for a in (archs if gpu and 'training' in S else []):
         arch = getattr(models, a)
         sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
-        loss_cb = lambda: [DeviceLossCallback()]  # fastai's smoothed loss on the GPU: no host sync per batch
-        rows = {'model only (synthetic batches on the GPU)': lambda r: fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs, runs=r),
-                'DaliDataLoaders': lambda r: fit_throughput(dls, arch, dls.c, epochs, runs=r),
-                f'ImageDataLoaders ({W} workers)': lambda r: fit_throughput(idls[W], arch, dls.c, epochs, runs=r),
-                'plain PyTorch loop, synthetic batches': lambda r: torch_loop_throughput(sdl, arch, dls.c, epochs, device=device, runs=r),
-                'plain PyTorch loop, DaliDataLoaders': lambda r: torch_loop_throughput(dls.train, arch, dls.c, epochs, device=device, runs=r),
-                'model only, DeviceLossCallback': lambda r: fit_throughput(DataLoaders(sdl, sdl), arch, dls.c, epochs, cbs=loss_cb(), runs=r),
-                'DaliDataLoaders, DeviceLossCallback': lambda r: fit_throughput(dls, arch, dls.c, epochs, cbs=loss_cb(), runs=r),
-                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': (lambda d: lambda r: fit_throughput(d, arch, dls.c, epochs, cbs=loss_cb(), runs=r))(d)
-                   for t,d in dls_nt.items()}}
+        syn = DataLoaders(sdl, sdl)
+        # row: (data, with `DeviceLossCallback`: fastai's smoothed loss on the GPU; None: a plain PyTorch loop)
+        rows = {'model only (synthetic batches on the GPU)': (syn, False), 'DaliDataLoaders': (dls, False),
+                f'ImageDataLoaders ({W} workers)': (idls[W], False),
+                'plain PyTorch loop, synthetic batches': (sdl, None), 'plain PyTorch loop, DaliDataLoaders': (dls.train, None),
+                'model only, DeviceLossCallback': (syn, True), 'DaliDataLoaders, DeviceLossCallback': (dls, True),
+                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': (d, True) for t,d in dls_nt.items()}}
         fit[a],fit_runs[a] = {},{}
-        for k,f in rows.items(): fit[a][k] = f(fit_runs[a].setdefault(k, []))
+        for k,(d,loss_cb) in rows.items():
+            r = fit_runs[a][k] = []
+            fit[a][k] = (torch_loop_throughput(d, arch, dls.c, epochs, device=device, runs=r) if loss_cb is None else
+                         fit_throughput(d, arch, dls.c, epochs, cbs=[DeviceLossCallback()] if loss_cb else [], runs=r))
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)

@@ -15,14 +15,14 @@ from .demo import _sync, make_image_folder
 __all__ = ['id_folder', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']
 
 # %% ../nbs/07b_bench_gpus.ipynb #c005
-_VALID0 = 500
+_VALID0 = 500  # valid ids are 500.., train ids 0.. (from `start`)
 
-def id_folder(root, n_train=43, n_valid=22):
-    "`root/{train,valid}/<class>/<id>.png`: 8x8 single-colour PNGs whose colour encodes their id"
+def id_folder(root, n_train=43, n_valid=22, start=0):
+    "`root/{train,valid}/<class>/<id>.png`: 8x8 single-colour PNGs whose colour encodes their id (red + 256 x green) and class (blue)"
     root = Path(root)
-    for split,ids in (('train', range(n_train)), ('valid', range(_VALID0, _VALID0+n_valid))):
+    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+_VALID0, start+_VALID0+n_valid))):
         for i in ids:
-            a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1] = i % 256, i // 256
+            a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1], a[..., 2] = i % 256, i // 256, 60*(i % 3)
             f = root/split/'abc'[i % 3]/f'{i:04d}.png'; f.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(a).save(f)
     return root

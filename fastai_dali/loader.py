@@ -298,13 +298,18 @@ def _workers_failed_msg(n):
 def _ready(self:DaliDL):
     "The pipeline for a new epoch: the built one (or one `pipelines` kept) while its transforms and settings hold and its last epoch ended (or an abandoned one could end early), else a new one"
     sig = self._signature()
-    b = self._built if self._built is not None and self._built.signature == sig else self.pipelines.get(sig)
+    b = self._kept(sig)
     # a shuffled shard with a given seed draws each epoch's permutation from the epoch count: a new pipeline each epoch
     if b is not None and self.num_shards > 1 and self._seed_given and self.shuffle and self._order is None and (b.epoch or b.in_epoch): b = None
     if b is not None and b.in_epoch and not b.being_iterated() and not b.end_early(): b = None
     if b is None or b.in_epoch: return self._build()
     self._built = b
     return b
+
+@patch
+def _kept(self:DaliDL, sig):
+    "The pipeline built with signature `sig`: this loader's last one, or one `pipelines` kept; else None"
+    return self._built if self._built is not None and self._built.signature == sig else self.pipelines.get(sig)
 
 @patch
 def _release(self:DaliDL):
@@ -378,6 +383,5 @@ def dali_report(self:DaliDL):
         return pd.DataFrame([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')],
                             columns=['stage', 'transform', 'how', 'detail'])
     self._order = self._custom_order()
-    sig = self._signature()
-    b = self._built if self._built is not None and self._built.signature == sig else self.pipelines.get(sig) or self._build()
+    b = self._kept(self._signature()) or self._build()
     return pd.DataFrame(b.plan.report(b.log), columns=['stage', 'transform', 'how', 'detail'])

@@ -154,20 +154,12 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{k:<42}{v['mean']:>9.3f}{v['img_mean']:>16.3f}{v['p999']:>8.1f}{v['max']:>8.1f}")
 
 # ------------------------------------------------------------------ images that carry their item id (exactness tests)
+# `root/{train,valid}/<class>/<id>.png`, 8x8 solid PNGs whose colour encodes the id: the package's own (`bench-gpus`
+# checks exactness with them), valid ids from VALID0, class `cls_of(id)`
+from fastai_dali.bench_gpus import id_folder as make_id_folder, _VALID0 as VALID0
 CLS = ('a', 'b', 'c')
-VALID0 = 500  # valid ids are VALID0.., train ids 0..
 
 def cls_of(i): return CLS[i % 3]
-
-def make_id_folder(root, n_train=43, n_valid=22, start=0):
-    "`root/{train,valid}/<class>/<id>.png`, 8x8 solid images whose colour encodes the id"
-    root = Path(root)
-    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+VALID0, start+VALID0+n_valid))):
-        for i in ids:
-            a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1], a[..., 2] = i % 256, i // 256, 60*CLS.index(cls_of(i))
-            fn = root/split/cls_of(i)/f'{i:04d}.png'; fn.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(a).save(fn)
-    return root
 
 def id_of(f): return int(Path(f).stem)
 
