@@ -266,9 +266,11 @@ def _build(self:DaliDL):
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
     self._check_jpeg_ends()
     mfiles = None if masks is None else [masks[i] for i in idxs]
+    device_id = dali_device_id(self.device or 'cpu')
+    collect_dropped(gpu=device_id is not None)  # see "Dropped pipelines" (02_pipeline)
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
-                           num_threads=self.num_threads, device_id=dali_device_id(self.device or 'cpu'),
+                           num_threads=self.num_threads, device_id=device_id,
                            seed=augment_seed(seed, self.shard_id),
                            prefetch_queue_depth=self.prefetch, reader_seed=reader_seed, hw_decoder_load=self.hw_decoder_load,
                            mask_files=mfiles, **kw)

@@ -13,7 +13,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline']
+__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'collect_dropped']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
@@ -152,3 +152,10 @@ def _close_pools(live=_live_pipes, inherited=_inherited):  # bound now: it runs 
 
 from multiprocessing.util import Finalize
 Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
+
+# %% ../nbs/02_pipeline.ipynb #c011
+import gc
+
+def collect_dropped(gpu=True):
+    "Free the pipelines of dropped loaders (cyclic garbage) before a pipeline is built on the GPU (`gpu`)"
+    if gpu and len(_live_pipes): gc.collect()

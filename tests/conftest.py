@@ -115,6 +115,18 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {f: i for i,f in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # a stable sort
 
+@pytest.fixture(scope='module', autouse=True)
+def _give_back_gpu_memory():
+    """After each test file on the GPU: the memory its pipelines and models freed goes back to the GPU. DALI's and torch's
+    pools keep freed memory for their process; the suite runs 4 processes on one GPU (plus the subprocesses of the
+    console-command tests), and memory one process keeps, another cannot have"""
+    yield
+    if DEVICE == 'cpu': return
+    gc.collect()
+    import nvidia.dali.backend as db
+    db.ReleaseUnusedMemory()
+    if torch.cuda.is_initialized(): torch.cuda.empty_cache()
+
 # FASTAI_DALI_BUILD_LOG=FILE (scripts/gpu_suite.sh sets it): a JSON line per test with its seconds, the pipelines it
 # built and the seconds they took, and the DALI pipelines alive at its end (all this process's, earlier tests' too)
 BUILD_LOG = os.environ.get('FASTAI_DALI_BUILD_LOG')

@@ -255,3 +255,22 @@ def test_second_pass_while_first_alive(id_root):
     check_batch(dls, dls.train.one_batch(), tr, BS)
     check_train_epoch(dls, [first] + list(g1))  # one permutation: full, distinct batches
     check_train_epoch(dls, list(dls.train))
+
+
+def test_dropped_loaders_pipelines_go_before_a_gpu_build(id_root):
+    """A dropped DaliDataLoaders is cyclic garbage (a fastai `DataLoader` refers to itself through `fake_l`): before a pipeline is built on the
+    GPU, its pipelines are collected, so their GPU memory and hardware JPEG decoders go first. On DALI's CPU backend
+    the build leaves them to Python's collector"""
+    import gc, weakref
+    gc.collect()
+    gc.disable()  # as in a large process, where full collections are rare
+    try:
+        dls = id_loaders(id_root)
+        dls.train.one_batch(); dls.valid.one_batch()
+        dropped = [weakref.ref(b.pipeline) for b in (dls.train.built, dls.valid.built)]
+        del dls
+        assert all(w() is not None for w in dropped), "dropped loaders should be cyclic garbage here"
+        dls2 = id_loaders(id_root)
+        check_batch(dls2, dls2.train.one_batch(), {id_of(f) for f in dls2.train_ds.items}, BS)
+        assert [w() is None for w in dropped] == [DEVICE != 'cpu']*2
+    finally: gc.enable()
