@@ -28,9 +28,11 @@ apps=$!
 trap 'kill $smi $apps 2>/dev/null' EXIT  # the samplers end with the script, however it ends
 t0=$(date +%s)
 # -v: one line per test as it ends (names survive a cut run); SIGINT at the limit: pytest still prints its failures and summary
-timeout -s INT -k 20 ${SUITE_TIMEOUT:-470} python3 -m pytest -v -p no:cacheprovider -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
-echo "rc $? wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
+timeout -s INT -k 20 ${SUITE_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
+rc=$?; echo "rc $rc wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
 grep -E '^(FAILED|ERROR)|passed|failed' $OUT/pytest_cuda_run$run.txt | tail -8
+# a run the limit stopped is not a passing run, whatever its summary line counts
+[[ $rc == 124 ]] && echo "CUT by the ${SUITE_TIMEOUT:-480} s limit: not a complete run ($(grep -oE '[0-9]+ workers \[[0-9]+ items\]' $OUT/pytest_cuda_run$run.txt | head -1))" | tee -a $OUT/pytest_cuda_run$run.txt
 ls /dev/shm | grep -c psm_ | sed 's/^/shared memory objects left: /' >> $OUT/pytest_cuda_run$run.txt
 kill $smi $apps 2>/dev/null
 # nvImageCodec falls back from the hardware JPEG decoder to the CUDA one when it cannot create its state
