@@ -234,7 +234,9 @@ class PipelineCache:
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
-    self._built = None  # this loader's last one goes now, unless `pipelines` keeps it for other settings
+    # this loader's last pipeline goes once the new one is built (unless `pipelines` keeps it for other settings): the
+    # GPU decoder's state, set up with a process's first such pipeline and torn down with its last, carries over
+    prev,self._built = self._built,None
     src,targets = self.dali_inputs()
     masks = next((t for t in targets if isinstance(t, MaskFiles)), None)
     # the reader's label is the item index; an order fastai or a callback installed is read unshuffled
@@ -267,7 +269,6 @@ def _build(self:DaliDL):
     self._check_jpeg_ends()
     mfiles = None if masks is None else [masks[i] for i in idxs]
     device_id = dali_device_id(self.device or 'cpu')
-    collect_dropped(gpu=device_id is not None)  # see "Dropped pipelines" (02_pipeline)
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=device_id,
@@ -289,6 +290,8 @@ def _build(self:DaliDL):
             source.drop_file(); source.flag.unlink()
     self._built = self.pipelines.add(BuiltPipeline(pipe, it, plan, log, sig, files, names, source, gather_n, self.dataset))
     self._n_builds += 1
+    del prev
+    collect_dropped(gpu=device_id is not None)  # see "Dropped pipelines" (02_pipeline)
     return self._built
 
 def _workers_failed_msg(n):

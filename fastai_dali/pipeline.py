@@ -157,5 +157,5 @@ Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins thi
 import gc
 
 def collect_dropped(gpu=True):
-    "Free the pipelines of dropped loaders (cyclic garbage) before a pipeline is built on the GPU (`gpu`)"
+    "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`)"
     if gpu and len(_live_pipes): gc.collect()

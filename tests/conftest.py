@@ -127,10 +127,10 @@ def pytest_collection_modifyitems(session, config, items):
 def _give_back_gpu_memory():
     """After each test file on the GPU: the memory its pipelines and models freed goes back to the GPU. DALI's and torch's
     pools keep freed memory for their process; the suite runs 4 processes on one GPU (plus the subprocesses of the
-    console-command tests), and memory one process keeps, another cannot have"""
+    console-command tests), and memory one process keeps, another cannot have. (No collection here: the last test's
+    dropped pipelines keep the GPU decoder's state for the next file's first build, which then frees them)"""
     yield
     if DEVICE == 'cpu': return
-    gc.collect()
     import nvidia.dali.backend as db
     db.ReleaseUnusedMemory()
     if torch.cuda.is_initialized(): torch.cuda.empty_cache()

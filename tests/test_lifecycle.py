@@ -257,10 +257,10 @@ def test_second_pass_while_first_alive(id_root):
     check_train_epoch(dls, list(dls.train))
 
 
-def test_dropped_loaders_pipelines_go_before_a_gpu_build(id_root):
-    """A dropped DaliDataLoaders is cyclic garbage (a fastai `DataLoader` refers to itself through `fake_l`): before a pipeline is built on the
-    GPU, its pipelines are collected, so their GPU memory and hardware JPEG decoders go first. On DALI's CPU backend
-    the build leaves them to Python's collector"""
+def test_dropped_loaders_pipelines_go_after_a_gpu_build(id_root):
+    """A dropped DaliDataLoaders is cyclic garbage (a fastai `DataLoader` refers to itself through `fake_l`): once a
+    pipeline is built on the GPU, its pipelines are collected, so their GPU memory and hardware JPEG decoders go. On
+    DALI's CPU backend the build leaves them to Python's collector"""
     import gc, weakref
     gc.collect()
     gc.disable()  # as in a large process, where full collections are rare
