@@ -234,9 +234,10 @@ class PipelineCache:
 @patch
 def _build(self:DaliDL):
     "Build the DALI pipeline and iterator for the current transforms and device"
-    # this loader's last pipeline goes once the new one is built (unless `pipelines` keeps it for other settings): the
-    # GPU decoder's state, set up with a process's first such pipeline and torn down with its last, carries over
-    prev,self._built = self._built,None
+    device_id = dali_device_id(self.device or 'cpu')
+    # this loader's last pipeline goes now, unless `pipelines` keeps it for other settings; on the GPU once the new one is
+    # built: the GPU decoder's state, set up with a process's first such pipeline and torn down with its last, carries over
+    prev,self._built = (None if device_id is None else self._built),None
     src,targets = self.dali_inputs()
     masks = next((t for t in targets if isinstance(t, MaskFiles)), None)
     # the reader's label is the item index; an order fastai or a callback installed is read unshuffled
@@ -268,7 +269,6 @@ def _build(self:DaliDL):
     names = [self._fl_names[i] for i in idxs] if files else []  # the user's files, for error messages
     self._check_jpeg_ends()
     mfiles = None if masks is None else [masks[i] for i in idxs]
-    device_id = dali_device_id(self.device or 'cpu')
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
                            num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
                            num_threads=self.num_threads, device_id=device_id,
