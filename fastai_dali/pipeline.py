@@ -158,4 +158,4 @@ import gc
 
 def collect_dropped(gpu=True):
     "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`)"
-    if gpu and len(_live_pipes): gc.collect()
+    if gpu: gc.collect()  # (the new pipeline is alive: no count of live ones tells whether others were dropped)
