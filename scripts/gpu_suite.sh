@@ -49,9 +49,9 @@ loaders)  # the loader rows (throughput, augmentations, RandomResizedCrop's wind
     --sections throughput,augment --workers 16 --archs '' --repeats 5 --max-batches 50 \
     --out $OUT/loaders > $OUT/loaders.txt 2>&1; echo "rc $?" >> $OUT/loaders.txt
   rm -rf $OUT/loaders/data_*; tail -30 $OUT/loaders.txt ;;
-training)  # learn.fit with and without DeviceLossCallback and with fewer DALI threads (3 epochs, 2 timed), its timeline (trace)
+training)  # learn.fit with and without DeviceLossCallback, with fewer DALI threads, with augmentation (a warm-up epoch, then 3 interleaved rounds), its timeline (trace)
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
-    --sections training,trace --workers 16 --archs resnet18,resnet50 --epochs 3 --repeats 3 --max-batches 50 \
+    --sections training,trace --workers 16 --archs resnet18,resnet50 --epochs 4 --repeats 3 --max-batches 50 \
     --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
   rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
 gpus)  # several GPUs (the 2-GPU kind): `fastai-dali bench-gpus`, 1 GPU and every GPU, resnet50, DaliDataLoaders and ImageDataLoaders
