@@ -234,12 +234,14 @@ def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=()):
 def fit_rounds(rows:dict, epochs=3):
     """`rows`: {name: a zero-argument function making an epoch function (`fit_epochs`, `torch_loop_epochs`)}. Each row
     trains a first epoch, not timed; then every row one epoch per round, `epochs-1` rounds, so that a slow stretch of the
-    machine falls on all rows alike. Returns ({name: median img/s}, {name: img/s of each round})"""
+    machine falls on all rows alike; each round starts one row later, so that no row always follows the same one (the
+    ImageDataLoaders' workers shutting down, say). Every row's Learner lives until the last round (~3 GB for 10 resnet50
+    rows). Returns ({name: median img/s}, {name: img/s of each round})"""
     eps = {k: f() for k,f in rows.items()}
     for e in eps.values(): e()  # warm-up: cudnn's choice of kernels, the loader's first pipeline
-    runs = {k: [] for k in eps}
-    for _ in range(max(1, epochs-1)):
-        for k,e in eps.items(): runs[k].append(e())
+    runs,ks = {k: [] for k in eps},list(eps)
+    for r in range(max(1, epochs-1)):
+        for k in ks[r % len(ks):] + ks[:r % len(ks)]: runs[k].append(eps[k]())
     return {k: float(statistics.median(v)) for k,v in runs.items()},runs
 
 # %% ../nbs/07_bench.ipynb #c019c

@@ -16,10 +16,14 @@ def own_share_of_cores():
     `num_threads` and the Python workers by default (`default_num_threads`), and torch's threads, set up at its import
     (below). Sized for all the cores each, 4 processes would oversubscribe them 4 times. Returns the cores kept"""
     n,cores = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)),sorted(os.sched_getaffinity(0))
-    if n < 2 or len(cores) < n: return cores
-    k,share = int(os.environ['PYTEST_XDIST_WORKER'].lstrip('gw')) % n,len(cores)//n
-    os.sched_setaffinity(0, cores[k*share:(k+1)*share])
-    return cores[k*share:(k+1)*share]
+    # a process this one starts (DALI's spawned Python workers, which import this module to unpickle a test's `get_x`;
+    # torchrun ranks) inherits the share: it must not take a share of the share
+    if n < 2 or len(cores) < n or os.environ.get('FASTAI_DALI_TEST_CORES'): return cores
+    k = int(os.environ['PYTEST_XDIST_WORKER'].lstrip('gw')) % n
+    mine = cores[k*len(cores)//n:(k+1)*len(cores)//n]  # contiguous, every core in some share
+    os.sched_setaffinity(0, mine)
+    os.environ['FASTAI_DALI_TEST_CORES'] = ','.join(map(str, mine))
+    return mine
 
 own_share_of_cores()
 warnings.filterwarnings('ignore', message='.*torch.jit.script.*', category=FutureWarning)
