@@ -197,11 +197,9 @@ def _timed_epochs(runs, into=None):
     return float(statistics.median(timed))
 
 def fit_throughput(dls, arch, n_out, epochs=3, bf16=True, channels_last=True, cbs=(), runs=None):
-    "Training img/s of `learn.fit(epochs)` for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`: the median of the epochs after the first (each appended to `runs`)"
-    learn = bench_learner(dls, arch, n_out, bf16, channels_last)
-    t = _TrainTimer()
-    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
-    return _timed_epochs(t.runs, runs)
+    "Training img/s of `learn.fit` for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`, `epochs` epochs (`fit_epochs`): the median of the epochs after the first (each appended to `runs`)"
+    epoch = fit_epochs(dls, arch, n_out, bf16, channels_last, cbs)
+    return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
 def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cuda'):
     "A function that trains a plain PyTorch loop over `dl` (SGD, bf16 autocast, channels_last, no callbacks) one more epoch and returns its img/s"
@@ -224,7 +222,7 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
 def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=()):
-    "A function that trains `fit_throughput`'s Learner (made once) one more epoch of `learn.fit` and returns its training img/s"
+    "A function that trains a `bench_learner` (made once) one more epoch of `learn.fit`, validation skipped, and returns its training img/s"
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last),_TrainTimer()
     def epoch():
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=[t, *cbs])
