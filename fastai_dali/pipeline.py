@@ -13,7 +13,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'collect_dropped']
+__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'ShutdownInMainThread', 'shutdown_deferred', 'collect_dropped']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
@@ -134,28 +134,47 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
 
 # %% ../nbs/02_pipeline.ipynb #c006
 import os, weakref
-_live_pipes, _inherited = weakref.WeakSet(), []
+_live_pipes, _inherited, _deferred = weakref.WeakSet(), [], []
 
 def track_pipeline(pipe):
-    "Register `pipe` so a forked child never destroys its copy"
+    "Register `pipe`: a forked child never destroys its copy, and a collection in another thread leaves its shutdown to this one (see \"Collections in other threads\")"
     _live_pipes.add(pipe)
+    if type(pipe) is Pipeline: pipe.__class__ = ShutdownInMainThread  # (`pipeline_def` makes a plain `Pipeline`)
     return pipe
 
-def _keep_in_child(): _inherited.extend(_live_pipes)
+def _keep_in_child():
+    _inherited.extend(_live_pipes); _inherited.extend(_deferred); _deferred.clear()
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)
 
-def _close_pools(live=_live_pipes, inherited=_inherited):  # bound now: it runs at exit
+def _close_pools(live=_live_pipes, inherited=_inherited, deferred=_deferred):  # bound now: it runs at exit
     "Stop the Python worker processes of this process's live pipelines (idempotent)"
-    for p in list(live):
+    for p in list(live) + list(deferred):
         pool = getattr(p, '_py_pool', None)  # DALI stops them itself, from an atexit hook
         if pool is not None and not any(p is q for q in inherited): pool.close()
 
 from multiprocessing.util import Finalize
 Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
 
+# %% ../nbs/02_pipeline.ipynb #c010c
+import atexit, threading
+from nvidia.dali import Pipeline
+
+class ShutdownInMainThread(Pipeline):
+    "A DALI `Pipeline` that a collection outside the main thread keeps for `shutdown_deferred` instead of shutting down"
+    def __del__(self):
+        if threading.current_thread() is threading.main_thread(): super().__del__()
+        else: _deferred.append(self)  # alive again (a finalizer runs once: this one won't run twice)
+
+def shutdown_deferred(deferred=_deferred):
+    "Shut down, in this thread, the pipelines that collections in other threads found dropped"
+    while deferred: deferred.pop()._shutdown()
+
+atexit.register(shutdown_deferred)  # before DALI's own atexit hook (registered earlier, run later)
+
 # %% ../nbs/02_pipeline.ipynb #c011
 import gc
 
 def collect_dropped(gpu=True):
-    "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`)"
+    "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`); shut down those collections in other threads kept"
     if gpu: gc.collect()  # (the new pipeline is alive: no count of live ones tells whether others were dropped)
+    shutdown_deferred()

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SITE_CFG = ROOT/'docs_site'
 os.environ['PYTHONPATH'] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
 os.environ.setdefault('NO_MKDOCS_2_WARNING', '1')
+os.environ.setdefault('PYTHONFAULTHANDLER', '1')  # a notebook's kernel that crashes prints where (on stderr)
 sys.path.insert(0, str(ROOT))
 
 _re_tut = re.compile(r'^1\d')
@@ -336,7 +337,9 @@ def main(argv=None):
     timings = []
     for p in nbs:
         t = time.time()
-        nb = process_nb(p, execute=not a.no_exec, timeout=a.timeout)
+        try: nb = process_nb(p, execute=not a.no_exec, timeout=a.timeout)
+        except Exception as e:  # nbclient's errors do not say which notebook (a kernel that died prints its traceback above)
+            raise SystemExit(f'[docs] {p.relative_to(ROOT).as_posix()} failed: {type(e).__name__}: {e}') from e
         page = pages[p]
         processed[p] = nb_to_md(nb, page, src/'images', 'images', entries)
         timings.append((p.relative_to(ROOT).as_posix(), time.time() - t))

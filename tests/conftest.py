@@ -190,7 +190,7 @@ def _log_builds(request):
     yield
     rec = dict(test=request.node.nodeid, pid=os.getpid(), seconds=round(time.perf_counter()-t, 2),
                builds=stats['n']-n, build_seconds=round(stats['s']-s, 2), collect_seconds=round(stats['gc']-g, 2),
-               live_pipelines=len(_live_pipes))
+               live_pipelines=len(live_pipelines()))
     with open(BUILD_LOG, 'a') as f: f.write(json.dumps(rec) + '\n')
 
 # Measured DALI-vs-fastai pixel differences, filled by test_parity.py and printed at the end of the run
@@ -242,7 +242,7 @@ import collections, ctypes, faulthandler, gc, time, traceback
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, Resize, get_image_files,
                                parent_label, Callback)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.pipeline import _live_pipes
+from fastai_dali.pipeline import _live_pipes, _deferred, collect_dropped
 
 N_TRAIN, N_VALID, BS = 43, 22, 6       # train: 7 batches (drop_last drops 1 item); valid: 6,6,6,4
 HANG_S = 300                           # backstop: dump every thread's stack and exit if a test hangs this long
@@ -336,7 +336,7 @@ def n_children():
 # Recorder only (a loss per batch, ~1 KB). So the checks read what glibc says the process holds (`in_use`: chunks in
 # use in every arena plus mmapped ones), not what it keeps free. Not in it: Python's small-object arenas (their
 # objects are in `live_objects`) and CUDA's pinned host memory (cudaHostAlloc; a leaked pipeline shows in
-# `_live_pipes` and the native threads).
+# `live_pipelines()` and the native threads).
 _libc = ctypes.CDLL(None)
 
 class _MallInfo2(ctypes.Structure):
@@ -383,6 +383,10 @@ def accumulating(census):
 
 def median(xs): return sorted(xs)[len(xs)//2]
 
+def live_pipelines():
+    "The DALI pipelines alive: those the loaders registered, and those a collection in another thread kept for the next build to shut down (02_pipeline)"
+    return [*_live_pipes, *_deferred]
+
 def pipes_of(*dls):
     "The DALI pipelines these loaders hold now: the one each iterates and those kept for the loaders made from it"
     return {id(b.pipeline) for dl in dls for b in [dl.built, *dl.pipelines] if b is not None}
@@ -392,11 +396,11 @@ def resources(settle_to=None, wait=3.0, collect=True):
     garbage collection if `collect` (~0.3 s in a test session). A dropped pipeline's threads exit asynchronously (right
     after an epoch the count is up to ~10 above its resting value): poll for up to `wait` s, until the counts come down
     to `settle_to`'s (if given), else keep the lowest seen"""
-    if collect: gc.collect()
+    if collect: gc.collect(); collect_dropped(gpu=False)  # and, as the next build would, shut down what collections in other threads kept
     t_end,best = time.monotonic() + wait,None
     while True:
         cur = dict(threads=threading.active_count(), tasks=n_tasks(), fds=n_fds(), children=n_children(),
-                   pipes=len(_live_pipes))
+                   pipes=len(live_pipelines()))
         best = cur if best is None else {k: min(best[k], cur[k]) for k in cur}
         if settle_to is not None and all(best[k] <= settle_to[k] for k in best): break
         if time.monotonic() > t_end: break

@@ -14,7 +14,7 @@ What each group asserts (numbers measured on the 2-core CPU machine this was wri
   distinct items with their labels, and every valid item once, in order.
 - 20 epochs of `fit` (64x64 images): every epoch correct and reshuffled, and nothing accumulates over epochs 5..20.
 - Leaks ("nothing accumulates"): the threads (Python and native, /proc/self/task), open fds, child processes and live
-  DALI pipelines (`fastai_dali.pipeline._live_pipes`) grow in at most one interval between samples (a resource
+  DALI pipelines (`live_pipelines()`) grow in at most one interval between samples (a resource
   made once, late, grows once: on the H200 nvImageCodec could not create the hardware JPEG decoder's state
   once under the suite's load, fell back to its CUDA decoder, and 6 more fds stayed open from then on), and the only pipelines alive
   that the test made are its loaders' current and kept ones; no type of Python object (gc census, the test's own records left
@@ -32,9 +32,8 @@ import time
 import pytest
 from fastai.vision.all import Resize, Learner, Callback
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.pipeline import _live_pipes
 
-from conftest import build_at_once, id_of, IdNet, IdLoss
+from conftest import live_pipelines, build_at_once, id_of, IdNet, IdLoss
 from conftest import DEVICE, run_with_timeout
 from conftest import (BS, MALLOC_TOL_STEP, MALLOC_TOL_EPOCHS, id_loaders, labels_of, check_batch, check_train_epoch,
                       check_valid_epoch, RecordIds, resources, COUNTS, kb_diff, live_objects, tracked_in, accumulating,
@@ -53,7 +52,7 @@ CYCLES = (dict(files=(100, 10), bytes=(100, 10), workers=(40, 10)) if DEVICE == 
 
 @pytest.mark.parametrize('kind', ['files', 'bytes', 'workers'])
 def test_abandoned_epochs_cycles(id_root, kind):
-    pre = {id(p) for p in _live_pipes}           # pipelines of earlier tests, still alive or not yet collected
+    pre = {id(p) for p in live_pipelines()}           # pipelines of earlier tests, still alive or not yet collected
     dls = id_loaders(id_root, kind, num_threads=1)
     if kind == 'workers': build_at_once(dls.train, dls.valid)   # their worker processes start at the same time
     tr,va = {id_of(f) for f in dls.train_ds.items},[id_of(f) for f in dls.valid_ds.items]
@@ -87,7 +86,7 @@ def test_abandoned_epochs_cycles(id_root, kind):
     grows = {k: [samples[c][k] for c in cs] for k in COUNTS
              if sum(samples[d][k] > samples[c][k] for c,d in zip(cs, cs[1:])) > 1}
     assert not grows, f"counts at cycles {cs}: {grows}"
-    assert {id(p) for p in _live_pipes} - pre == pipes_of(dls.train, dls.valid), "a DALI pipeline outlives its loader"
+    assert {id(p) for p in live_pipelines()} - pre == pipes_of(dls.train, dls.valid), "a DALI pipeline outlives its loader"
     # ... Python objects of any type ...
     acc = accumulating(census)
     assert not acc, acc
@@ -131,7 +130,7 @@ class RecordFootprint(Callback):
         self.rows.append(resources(prev, collect=False))  # garbage just collected by the census
 
 def test_20_epochs_nothing_accumulates(id_root):
-    pre = {id(p) for p in _live_pipes}
+    pre = {id(p) for p in live_pipelines()}
     # 64x64 images (solid, so still decodable): keeping one batch per epoch is ~580 KB of malloc'd memory per epoch
     dls = DaliDataLoaders.from_folder(id_root, item_tfms=Resize(64), bs=BS, device=DEVICE, num_threads=1)
     rec = RecordIds()
@@ -153,7 +152,7 @@ def test_20_epochs_nothing_accumulates(id_root):
     for i,r in enumerate(rows):
         more = {k: (a[k], r[k]) for k in COUNTS if r[k] > a[k]}
         assert not more, f"epoch {i+5}, (at epoch 5, now): {more}"
-    assert {id(p) for p in _live_pipes} - pre == pipes_of(dls.train, dls.valid)
+    assert {id(p) for p in live_pipelines()} - pre == pipes_of(dls.train, dls.valid)
     assert (dls.train.n_builds, dls.valid.n_builds) == (1, 1)
     # ... Python objects of any type ...
     acc = accumulating(mem.census)

@@ -19,6 +19,9 @@ What each group asserts (numbers measured on the 2-core CPU machine this was wri
   try raises again (no hang, no stale pipeline); the other split still works.
 - Round trips: `export` -> `load_learner` -> `predict` and `get_preds(dl=test_dl(files))` with the files copied to a
   new path (the old one deleted); pickling a `DaliDataLoaders`; two `DaliDataLoaders` iterated interleaved.
+- Collections in DALI's threads: a full collection forced inside an untranslated item transform (which DALI calls in
+  the pipeline's own threads) finds its dropped loader. The process goes on (exit status 0; DALI would abort it:
+  'Resource deadlock avoided'), the pipeline is kept until the next build, which shuts it down.
 """
 import pickle, shutil
 from pathlib import Path
@@ -274,3 +277,58 @@ def test_dropped_loaders_pipelines_go_after_a_gpu_build(id_root):
         check_batch(dls2, dls2.train.one_batch(), {id_of(f) for f in dls2.train_ds.items}, BS)
         assert [w() is None for w in dropped] == [DEVICE != 'cpu']*2
     finally: gc.enable()
+
+
+# ------------------------------------------------------------------------------------ 4. collections in DALI's threads
+COLLECTED_IN_DALI_THREAD = '''
+import gc, itertools, sys, threading
+from pathlib import Path
+import numpy as np
+from PIL import Image
+from fastai.vision.all import Transform, PILImage, Resize
+from fastai_dali.data import DaliDataLoaders
+from fastai_dali.pipeline import _deferred
+root, device = Path(sys.argv[1]), sys.argv[2]
+rng = np.random.default_rng(0)
+for split,n in (('train', 24), ('valid', 4)):
+    for c in 'ab':
+        (root/split/c).mkdir(parents=True)
+        for i in range(n): Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(root/split/c/f'{i}.png')
+BS, PREFETCH, calls, once = 2, 2, itertools.count(), threading.Lock()
+dropped, collected = threading.Event(), threading.Event()
+
+class CollectOnceDropped(Transform):
+    "No DALI translation: fn.python_function calls it in the pipeline's threads. Once its loader is dropped, a full collection there"
+    order = 0
+    def encodes(self, x:PILImage):
+        # the first PREFETCH batches run while the iterator is built; the next one once a batch was taken
+        if next(calls) >= PREFETCH*BS and dropped.wait(60) and once.acquire(blocking=False):
+            gc.collect()    # finds the dropped loader, and with it the pipeline running this very call
+            collected.set()
+        return x
+
+dls = DaliDataLoaders.from_folder(root, item_tfms=[CollectOnceDropped(), Resize(8)], bs=BS, device=device, prefetch=PREFETCH)
+it = iter(dls.train); next(it)
+pid = id(dls.train.built.pipeline)
+del it, dls
+dropped.set()
+assert collected.wait(60), "DALI ran no further batch"
+assert [id(p) for p in _deferred] == [pid], (pid, _deferred)   # kept, alive
+kept = _deferred[0]
+dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(8), bs=BS, device=device)
+x,y = dls.train.one_batch()
+assert x.shape == (BS, 3, 8, 8) and _deferred == [] and kept._pipe is None   # the next build shut it down, here
+print('shut down at the next build')
+'''
+
+def test_loader_collected_in_its_pipelines_thread(tmp_path):
+    """A collection in one of DALI's threads (forced in an untranslated item transform, which `fn.python_function` calls
+    there) finds the dropped loader whose pipeline runs that call. DALI's own `Pipeline.__del__` would shut the pipeline
+    down from its own thread: 'Resource deadlock avoided', the process aborts (a notebook's kernel dies). Here it
+    is kept, the process goes on, and the next build shuts it down in the main thread. In a subprocess: an abort ends it"""
+    import os, subprocess, sys
+    script = tmp_path/'collect.py'; script.write_text(COLLECTED_IN_DALI_THREAD)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path/'data'), DEVICE], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, 'PYTHONWARNINGS': 'ignore'})
+    assert r.returncode == 0 and r.stdout.strip().endswith('shut down at the next build'), r.stderr[-3000:]
+    assert 'deadlock' not in r.stderr and 'Fatal Python error' not in r.stderr, r.stderr[-3000:]
