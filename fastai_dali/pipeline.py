@@ -13,7 +13,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'ShutdownInMainThread', 'shutdown_deferred', 'collect_dropped']
+__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'collect_dropped']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
@@ -139,7 +139,7 @@ _live_pipes, _inherited, _deferred = weakref.WeakSet(), [], []
 def track_pipeline(pipe):
     "Register `pipe`: a forked child never destroys its copy, and a collection in another thread leaves its shutdown to this one (see \"Collections in other threads\")"
     _live_pipes.add(pipe)
-    if type(pipe) is Pipeline: pipe.__class__ = ShutdownInMainThread  # (`pipeline_def` makes a plain `Pipeline`)
+    if type(pipe) is Pipeline: pipe.__class__ = _MainThreadShutdown  # (`pipeline_def` makes a plain `Pipeline`)
     return pipe
 
 def _keep_in_child():
@@ -159,17 +159,17 @@ Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins thi
 import atexit, threading
 from nvidia.dali import Pipeline
 
-class ShutdownInMainThread(Pipeline):
-    "A DALI `Pipeline` that a collection outside the main thread keeps for `shutdown_deferred` instead of shutting down"
+class _MainThreadShutdown(Pipeline):
+    "A DALI `Pipeline` that a collection outside the main thread keeps for `_shutdown_deferred` instead of shutting down"
     def __del__(self):
         if threading.current_thread() is threading.main_thread(): super().__del__()
         else: _deferred.append(self)  # alive again (a finalizer runs once: this one won't run twice)
 
-def shutdown_deferred(deferred=_deferred):
+def _shutdown_deferred(deferred=_deferred):
     "Shut down, in this thread, the pipelines that collections in other threads found dropped"
     while deferred: deferred.pop()._shutdown()
 
-atexit.register(shutdown_deferred)  # before DALI's own atexit hook (registered earlier, run later)
+atexit.register(_shutdown_deferred)  # before DALI's own atexit hook (registered earlier, run later)
 
 # %% ../nbs/02_pipeline.ipynb #c011
 import gc
@@ -177,4 +177,4 @@ import gc
 def collect_dropped(gpu=True):
     "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`); shut down those collections in other threads kept"
     if gpu: gc.collect()  # (the new pipeline is alive: no count of live ones tells whether others were dropped)
-    shutdown_deferred()
+    _shutdown_deferred()
