@@ -4,9 +4,9 @@
 
 # %% ../nbs/03e_loader.ipynb #c003
 from __future__ import annotations
-import itertools, warnings, weakref
+import itertools, shutil, textwrap, warnings, weakref
 from types import MethodType
-import numpy as np
+import numpy as np, pandas as pd
 from fastcore.basics import *
 from fastcore.foundation import L
 from fastcore.meta import delegates
@@ -23,7 +23,7 @@ from .items import *
 from .sources import *
 
 # %% auto #0
-__all__ = ['DaliDL', 'shard_positions', 'shard_padded', 'augment_seed', 'BuiltPipeline', 'PipelineCache']
+__all__ = ['DaliDL', 'shard_positions', 'shard_padded', 'augment_seed', 'BuiltPipeline', 'PipelineCache', 'DaliReport']
 
 # %% ../nbs/03e_loader.ipynb #c005
 @delegates(TfmdDL.__init__)
@@ -379,14 +379,34 @@ def _epoch_batches(self:DaliDL, b:BuiltPipeline):
         yield x if k == len(x[0]) else tuple(o[:k] for o in x)
     b.it.reset()
 
+# %% ../nbs/03e_loader.ipynb #c024b
+class DaliReport(pd.DataFrame):
+    "`dali_report`'s table: a `DataFrame` whose text form (`print`, a terminal's repr) shows every column, long cells wrapped"
+    cols = ['stage', 'transform', 'how', 'detail']
+    @property
+    def _constructor(self): return DaliReport
+    def __repr__(self): return self.to_text()
+    def to_text(self, width:int=None):
+        "Every column, each line at most `width` characters (default: the terminal's), long cells wrapped"
+        width = width or shutil.get_terminal_size((120, 24)).columns
+        cells = [[str(c) for c in self.columns]] + [[str(v) for v in row] for row in self.itertuples(index=False)]
+        ws = [max(len(r[j]) for r in cells) for j in range(len(self.columns))]
+        # narrow the widest column until the row fits (2 spaces between columns), never below 10 characters
+        while sum(ws) + 2*(len(ws)-1) > width and max(ws) > 10: ws[ws.index(max(ws))] -= 1
+        lines = []
+        for k,r in enumerate(cells):
+            parts = [textwrap.wrap(v, w, break_on_hyphens=False) or [''] for v,w in zip(r, ws)]
+            for n in range(max(map(len, parts))):
+                lines.append('  '.join((p[n] if n < len(p) else '').ljust(w) for p,w in zip(parts, ws)).rstrip())
+            if k == 0: lines.append('  '.join('-'*w for w in ws))
+        return '\n'.join(lines)
+
 # %% ../nbs/03e_loader.ipynb #c024
 @patch
 def dali_report(self:DaliDL):
     "DataFrame of (stage, transform, how, detail) for this loader's transforms"
-    import pandas as pd
     if self.dali_inputs() is None:
-        return pd.DataFrame([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')],
-                            columns=['stage', 'transform', 'how', 'detail'])
+        return DaliReport([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')], columns=DaliReport.cols)
     self._order = self._custom_order()
     b = self._kept(self._signature()) or self._build()
-    return pd.DataFrame(b.plan.report(b.log), columns=['stage', 'transform', 'how', 'detail'])
+    return DaliReport(b.plan.report(b.log), columns=DaliReport.cols)

@@ -193,16 +193,25 @@ def _log_builds(request):
                live_pipelines=len(live_pipelines()))
     with open(BUILD_LOG, 'a') as f: f.write(json.dumps(rec) + '\n')
 
-# Measured DALI-vs-fastai pixel differences, filled by test_parity.py and printed at the end of the run
+# Measured DALI-vs-fastai pixel differences, filled by test_parity.py. At the end of the run they go to a log file
+# (FASTAI_DALI_PARITY_LOG, default _test_logs/pixel_differences.txt, git-ignored), not to the terminal, where a passing
+# run should end on its summary line; `-v` prints the table too (the GPU suite's log keeps it).
 PARITY_STATS = {}
 
-def pytest_terminal_summary(terminalreporter):
+def parity_table():
+    "PARITY_STATS as the lines of a table"
+    return [f"{'case':<42}{'mean|d|':>9}{'worst img mean':>16}{'p99.9':>8}{'max|d|':>8}"] + [
+        f"{k:<42}{v['mean']:>9.3f}{v['img_mean']:>16.3f}{v['p999']:>8.1f}{v['max']:>8.1f}" for k,v in sorted(PARITY_STATS.items())]
+
+def pytest_terminal_summary(terminalreporter, config):
     if not PARITY_STATS: return
-    tr = terminalreporter
-    tr.section('DALI vs fastai pixel differences (0..255 units)')
-    tr.write_line(f"{'case':<42}{'mean|d|':>9}{'worst img mean':>16}{'p99.9':>8}{'max|d|':>8}")
-    for k,v in sorted(PARITY_STATS.items()):
-        tr.write_line(f"{k:<42}{v['mean']:>9.3f}{v['img_mean']:>16.3f}{v['p999']:>8.1f}{v['max']:>8.1f}")
+    log = Path(os.environ.get('FASTAI_DALI_PARITY_LOG') or config.rootpath/'_test_logs'/'pixel_differences.txt')
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text('DALI vs fastai pixel differences (0..255 units), device ' + DEVICE + '\n' + '\n'.join(parity_table()) + '\n')
+    if config.option.verbose > 0:
+        terminalreporter.section('DALI vs fastai pixel differences (0..255 units)')
+        for l in parity_table(): terminalreporter.write_line(l)
+        terminalreporter.write_line(f'(also in {log})')
 
 # ------------------------------------------------------------------ images that carry their item id (exactness tests)
 # `root/{train,valid}/<class>/<id>.png`, 8x8 solid PNGs whose colour encodes the id: the package's own (`bench-gpus`

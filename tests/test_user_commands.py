@@ -159,3 +159,24 @@ def test_all_keeps_fastai_names():
     ns = {}
     exec('from fastai.vision.all import *\nfrom fastai_dali.all import *', ns)
     assert ns['affine_mat'] is fa_aug.affine_mat
+
+def test_passing_run_ends_on_its_summary(tmp_path):
+    # the README's `pytest -q tests`: the measured pixel differences go to a log file, not after the summary line
+    log = tmp_path/'pixel_differences.txt'
+    r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-W', 'ignore',
+                        f'{ROOT}/tests/test_parity.py::test_pixel_parity[crop-32-raw]'], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**ENV, 'FASTAI_DALI_PARITY_LOG': str(log)})
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and re.fullmatch(r'1 passed in [\d.]+s', lines[-1]), r.stdout[-2000:]
+    assert 'pixel differences' not in r.stdout and len(lines) <= 3, r.stdout[-2000:]
+    assert log.read_text().splitlines()[2].startswith('crop           32     raw'), log.read_text()
+
+def test_ci_runs_the_tests_on_a_users_install():
+    # the dev extra pins fastcore<2 (nbdev 2.4.14), holding fastai at an older release than a plain install resolves:
+    # CI runs the tests a second time in an environment with the package and the `test` extra only
+    cfg = ConfigParser(delimiters=['=']); cfg.read(ROOT/'settings.ini', encoding='utf-8')
+    test_reqs = [Requirement(r) for r in cfg['DEFAULT']['test_requirements'].split()]
+    assert not {'nbdev', 'fastcore', 'fastai', 'execnb'} & {r.name for r in test_reqs}, test_reqs
+    ci = (ROOT/'.ci'/'run').read_text()
+    user = ci[ci.index('pip install -q -e ".[cuda120,test]"'):]
+    assert 'pytest -q tests' in user and 'dev' not in user.split('\n')[0], user[:300]
