@@ -91,6 +91,16 @@ class DaliPlan:
         rows += [('batch', type(t).__name__, 'fastai', 'fastai batch transform on the DALI output') for t in self.rest]
         return rows
 
+# %% ../nbs/02_pipeline.ipynb #c005w
+def _window_kw(op, mixed):
+    "Decoder arguments for `fn.decoders.<op>`: a window (`image_slice`) on the GPU decodes without PIL's chroma upsampling"
+    # nvImageCodec's nvJPEG decoder refuses a window with that upsampling (nvJPEG < 13.2, i.e. CUDA < 13.3: 'ROI decode
+    # with fancy upsampling may produce wrong results on image edge'), once per 4:2:0 image, each time with a warning.
+    # Only `roi_decode=True` on the GPU asks for a window: RandomResizedCrop's random training window, whose chroma
+    # then differs from PIL's by the GPU decoder's default interpolation (0.45-1.2/255 on average; valid images are
+    # decoded whole, as PIL decodes them)
+    return dict(jpeg_fancy_upsampling=False) if mixed and op == 'image_slice' else {}
+
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
 
@@ -121,7 +131,7 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
     dkw.update(device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False)
     # the plan decodes: the whole images (`fn.decoders.image`), or its first step only the part it needs
-    decoder = lambda op, *inputs, **kw: getattr(fn.decoders, op)(jpegs, *inputs, **dkw, **kw)
+    decoder = lambda op, *inputs, **kw: getattr(fn.decoders, op)(jpegs, *inputs, **{**dkw, **_window_kw(op, mixed)}, **kw)
     g = plan.graph(train, gpu, peek=fn.peek_image_shape(jpegs, adjust_orientation=False), decoder=decoder)
     img = plan(None, g)
     if log is not None: log.extend(g.log)
