@@ -4,14 +4,16 @@
 
 # %% ../nbs/06_demo.ipynb #c003
 from __future__ import annotations
-import argparse, gc, statistics, time, tempfile, multiprocessing as mp
+import argparse, gc, shutil, statistics, time, tempfile, multiprocessing as mp
 from contextlib import closing
+from multiprocessing.util import Finalize
 from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 
 # %% auto #0
-__all__ = ['sample_photos', 'make_image_folder', 'gpu_memory_mb', 'time_loader', 'loader_throughput', 'run_demo', 'main']
+__all__ = ['sample_photos', 'make_image_folder', 'scratch_dir', 'gpu_memory_mb', 'time_loader', 'loader_throughput', 'run_demo',
+           'main']
 
 # %% ../nbs/06_demo.ipynb #c004
 _photos = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry', 'cat')
@@ -52,6 +54,15 @@ def make_image_folder(dest, n_train=40, n_valid=10, classes=_photos[:4], min_siz
         with mp.get_context('fork').Pool(min(procs, len(jobs))) as pool: pool.map(_write_jpegs, jobs)
     else: list(map(_write_jpegs, jobs))
     return dest
+
+# %% ../nbs/06_demo.ipynb #c006t
+def scratch_dir(prefix='fastai_dali_'):
+    "A new temporary folder, removed (with what is in it) when this process exits"
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    # multiprocessing's Finalize, not atexit: it also runs when this process is a multiprocessing child (nbdev_test runs
+    # each notebook in one), and only in the process that made it (a forked fastai worker inherits it, and skips it)
+    Finalize(None, shutil.rmtree, args=(d,), kwargs=dict(ignore_errors=True), exitpriority=0)
+    return d
 
 # %% ../nbs/06_demo.ipynb #c008
 def _sync():
@@ -122,7 +133,7 @@ def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='
     "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
     from fastai.vision.all import vision_learner, accuracy, Resize, Normalize, imagenet_stats, models
     from fastai_dali.data import DaliDataLoaders
-    if path is None: path = make_image_folder(Path(tempfile.mkdtemp())/'photos', n_train=n_train, n_valid=n_valid)
+    if path is None: path = make_image_folder(scratch_dir()/'photos', n_train=n_train, n_valid=n_valid)
     dls = DaliDataLoaders.from_folder(path, item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=bs, device=device)
     learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy)

@@ -4,8 +4,9 @@
 
 # %% ../nbs/03c_items.ipynb #c002
 from __future__ import annotations
-import io, os, warnings, atexit, hashlib, shutil, tempfile
+import io, os, warnings, hashlib, shutil, tempfile
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.util import Finalize
 from pathlib import Path
 import numpy as np, torch
 from PIL import Image
@@ -49,7 +50,8 @@ def _cached_png(f, mode='RGB'):
     global _png_dir
     if _png_dir is None:
         _png_dir = Path(tempfile.mkdtemp(prefix='fastai_dali_pil_'))
-        atexit.register(shutil.rmtree, _png_dir, True)
+        # Finalize, not atexit: also at the exit of a multiprocessing child (nbdev_test's), only in the process that made it
+        Finalize(None, shutil.rmtree, args=(_png_dir, True), exitpriority=0)
     try:
         st = os.stat(f)
         out = _png_dir/(hashlib.sha1(f'{Path(f).resolve()}|{st.st_size}|{st.st_mtime_ns}|{mode}'.encode()).hexdigest() + '.png')
