@@ -12,8 +12,8 @@ import numpy as np, torch
 from PIL import Image
 
 # %% auto #0
-__all__ = ['sample_photos', 'make_image_folder', 'scratch_dir', 'gpu_memory_mb', 'time_loader', 'loader_throughput', 'run_demo',
-           'main']
+__all__ = ['sample_photos', 'make_image_folder', 'scratch_dir', 'gpu_memory_mb', 'time_loader', 'loader_throughput',
+           'epoch_timeline', 'run_demo', 'main']
 
 # %% ../nbs/06_demo.ipynb #c004
 _photos = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry', 'cat')
@@ -106,6 +106,19 @@ def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
 def loader_throughput(dl, max_batches=None, warmup=2):
     "Images per second delivered by iterating `dl` (one epoch, or `max_batches` timed batches over as many epochs as needed)"
     return time_loader(dl, max_batches=max_batches, warmup=warmup)['img_s']
+
+# %% ../nbs/06_demo.ipynb #c013f
+def epoch_timeline(dl, epochs=3, skip=3):
+    "Each of `epochs` whole epochs of `dl`: seconds to its first batch, img/s after `skip` batches, img/s overall"
+    res = []
+    for _ in range(epochs):
+        _sync(); t0,ts,ns = time.perf_counter(),[],[]
+        for b in dl:
+            _sync(); ts.append(time.perf_counter()); ns.append(len(b[0]))
+        if len(ts) <= skip+1: raise ValueError(f"epochs too short to time: {len(ts)} batches, needs more than skip+1={skip+1}")
+        res.append(dict(first_batch_s=ts[0]-t0, running_img_s=sum(ns[skip+1:])/(ts[-1]-ts[skip]),
+                        epoch_img_s=sum(ns)/(ts[-1]-t0), batches=len(ts)))
+    return res
 
 # %% ../nbs/06_demo.ipynb #c010
 def _train_timer(warmup=2):
