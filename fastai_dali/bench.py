@@ -15,11 +15,12 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 
 # %% auto #0
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
-           'bench_loaders', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
-           'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_loop_epochs',
-           'torch_loop_throughput', 'fit_epochs', 'fit_rounds', 'trace_summary', 'fit_trace', 'memory_over_epochs',
-           'make_bench_dataset', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench', 'throughput_targets',
-           'cli', 'gpu_memory_mb', 'time_loader']
+           'fit_workers', 'md_table', 'show_markdown', 'bench_loaders', 'compare_loaders', 'results_markdown',
+           'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner',
+           'fit_throughput', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'fit_rounds',
+           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'memory_over_epochs',
+           'make_bench_dataset', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'run_bench',
+           'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -79,18 +80,56 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
     return img, y
 
 # %% ../nbs/07_bench.ipynb #c011
-import json, time, statistics, gc, inspect
+import json, time, statistics, gc, inspect, os, re, sys, contextlib, tempfile
 from pathlib import Path
 import torch
-from fastprogress.fastprogress import progress_bar
+from fastprogress.fastprogress import progress_bar, ConsoleProgressBar
+from fastcore.basics import defaults
+
+# %% ../nbs/07_bench.ipynb #c011c
+def fit_workers(cpus=None):
+    "Worker counts that fit `cpus` cores (default: fastai's `defaults.cpus`): fastai's default `min(16, cpus)`, its half and its quarter, at least 1"
+    c = max(1, min(16, cpus or defaults.cpus))
+    return tuple(sorted({max(1, c//4), max(1, c//2), c}))
+
+def md_table(head, rows, right=()):
+    "A markdown table of `rows` under `head`, each column padded to one width (a table in a terminal too); columns `right` aligned right"
+    rows = [[str(o) for o in r] for r in rows]
+    w = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: '| ' + ' | '.join(o.rjust(w[i]) if i in right else o.ljust(w[i]) for i,o in enumerate(map(str, r))) + ' |'
+    sep = '|' + '|'.join('-'*(w[i]+1) + ':' if i in right else '-'*(w[i]+2) for i in range(len(head))) + '|'
+    return '\n'.join([line(head), sep, *map(line, rows)])
+
+def show_markdown(md):
+    "Markdown `md`, rendered where stdout is a notebook's output (`IPython.display.Markdown`), else printed as text after a blank line"
+    if type(sys.stdout).__module__.startswith('ipykernel'):
+        from IPython.display import display, Markdown
+        display(Markdown(md))
+    else: print('\n' + md, flush=True)  # on a line of its own, after a progress bar
+
+def _clip(s, n):
+    "`s`, or its head and tail with '…' between where it is longer than `n` (the loaders' names differ at the end)"
+    return s if len(s) <= n else s[:n-1-n*2//5] + '…' + s[-(n*2//5):]
+
+def _labelled_bar(items, comments, end=''):
+    "Iterate `items` under fastprogress' `progress_bar`, its comment `comments[i]` while item `i` runs, `end` after the last"
+    pb = progress_bar(items)
+    # a console bar gives its own length to a longer line and never takes it back: comments clipped to leave it some
+    n = max(30, pb.cols-50) if isinstance(pb, ConsoleProgressBar) else None
+    say = lambda s: s if n is None else _clip(s, n)
+    pb.comment = say(comments[0] if len(items) else end)  # (fastprogress' console bar takes no `comment` argument)
+    for i,o in enumerate(pb):
+        yield o
+        pb.comment = say(comments[i+1] if i+1 < len(items) else end)
 
 # %% ../nbs/07_bench.ipynb #c012
-def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True):
-    "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first)"
+def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True, label='timing loaders'):
+    "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first); the bar says `label`"
     # in rounds, every loader once per round: a drift of the machine's speed during the run reaches every loader alike
     res,names = {},list(loaders)
     passes,order = {k: [] for k in names},[k for _ in range(repeats) for k in names]
-    for name in (progress_bar(order) if show_progress else order):
+    said = [f'{label} {i//len(names)+1}/{repeats}: {k}' for i,k in enumerate(order)]  # the round, the loader
+    for name in (_labelled_bar(order, said, f'{label}: done') if show_progress else order):
         passes[name].append(time_loader(loaders[name](), max_batches=max_batches, warmup=warmup))
     for name,runs in passes.items():
         # memory from the first round, when the loaders timed so far were the only ones built (later rounds see them all)
@@ -229,22 +268,48 @@ def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=()):
         return t.runs[-1]
     return epoch
 
-def fit_rounds(rows:dict, epochs=3):
+def fit_rounds(rows:dict, epochs=3, label=None):
     """`rows`: {name: a zero-argument function making an epoch function (`fit_epochs`, `torch_loop_epochs`)}. Each row
     trains a first epoch, not timed; then every row one epoch per round, `epochs-1` rounds, so that a slow stretch of the
     machine falls on all rows alike; each round starts one row later, so that no row always follows the same one (the
     ImageDataLoaders' workers shutting down, say). Every row's Learner lives until the last round (~3 GB for 10 resnet50
-    rows). Returns ({name: median img/s}, {name: img/s of each round})"""
+    rows). With a `label`, a progress bar says it, the round and the row. Returns ({name: median img/s}, {name: img/s of each round})"""
     eps = {k: f() for k,f in rows.items()}
-    for e in eps.values(): e()  # warm-up: cudnn's choice of kernels, the loader's first pipeline
     runs,ks = {k: [] for k in eps},list(eps)
-    for r in range(max(1, epochs-1)):
-        for k in ks[r % len(ks):] + ks[:r % len(ks)]: runs[k].append(eps[k]())
+    # first each row's warm-up epoch (round None: cudnn's choice of kernels, the loader's first pipeline), then the rounds
+    plan = [(None, k) for k in ks] + [(r, k) for r in range(max(1, epochs-1)) for k in ks[r % len(ks):] + ks[:r % len(ks)]]
+    said = [f"{label} {'warm-up' if r is None else f'{r+1}/{max(1, epochs-1)}'}: {k}" for r,k in plan]
+    for r,k in (plan if label is None else _labelled_bar(plan, said, f'{label}: done')):
+        v = eps[k]()
+        if r is not None: runs[k].append(v)
     return {k: float(statistics.median(v)) for k,v in runs.items()},runs
+
+# %% ../nbs/07_bench.ipynb #c019bb
+_KINETO_LINES = re.compile(r'^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] |^ERROR:.*\] gpuGetDeviceCount failed')
+
+def drop_kineto_lines(text):
+    "`text` without kineto's own log lines: the profiler's start and stop (`USDT:`, `STAGE:`), no GPU to count (`gpuGetDeviceCount failed`)"
+    return ''.join(l for l in text.splitlines(keepends=True) if not _KINETO_LINES.search(l))
+
+@contextlib.contextmanager
+def quiet_kineto():
+    "Run the block with file descriptor 2 (stderr, where kineto's C++ logs) in a file; then write back all of it but `drop_kineto_lines`"
+    if sys.stderr: sys.stderr.flush()
+    try: saved = os.dup(2)
+    except OSError: saved = None  # no stderr: nothing to keep clean
+    if saved is None:
+        yield; return
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try: yield
+        finally:
+            if sys.stderr: sys.stderr.flush()
+            os.dup2(saved, 2); os.close(saved)
+            f.seek(0); keep = drop_kineto_lines(f.read().decode(errors='replace')).encode()
+            while keep: keep = keep[os.write(2, keep):]
 
 # %% ../nbs/07_bench.ipynb #c019c
 import gzip
-import tempfile
 from fastai.callback.core import CancelFitException
 
 class _TraceBatches(Callback):
@@ -257,14 +322,17 @@ class _TraceBatches(Callback):
         if self.tr_rf is not None: self.tr_rf.__enter__()
     def before_batch(self):
         if not self.training: return
-        if self.tr_i == self.tr_start: _sync(); self.tr_prof.start()
+        if self.tr_i == self.tr_start:
+            _sync()
+            with quiet_kineto(): self.tr_prof.start()
         if self.tr_start <= self.tr_i < self.tr_start+self.tr_n: self._mark('fastai batch')
     def after_batch(self):
         if not self.training: return
         self.tr_i += 1
         if self.tr_i == self.tr_start+self.tr_n:  # a mark at the time the GPU has done the last batch: the window's end
             self._mark(None); _sync(); self._mark('GPU done'); self._mark(None)
-            self.tr_prof.stop(); raise CancelFitException()
+            with quiet_kineto(): self.tr_prof.stop()
+            raise CancelFitException()
         if self.tr_i > self.tr_start: self._mark('between batches (loader, callbacks)')
     def before_validate(self): raise CancelValidException()  # (an epoch shorter than the window: training batches only)
 
@@ -348,9 +416,16 @@ _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 def _read_bytes(f): return Path(f).read_bytes()
 
 def _target(res, name, value, goal, why=''):
-    ok = value >= goal
-    res.append({'target': name, 'value': round(value, 3), 'goal': goal, 'met': bool(ok)})
-    print(f"{'MET ' if ok else 'MISS'} {name}: {value:.2f} (goal >= {goal}){' ' + why if why and not ok else ''}")
+    "Append to `res` the goal `name`: `value` (a ratio of this run) against `goal`, with `why` a reason to read it by"
+    res.append({'target': name, 'value': round(value, 3), 'goal': goal, 'met': bool(value >= goal), 'why': why})
+
+def _nw(w): return f"{w} worker{'' if w == 1 else 's'}"
+_IDL = re.compile(r'^ImageDataLoaders train \((\d+) workers?\)$')
+
+def fastest_workers(thr, default=None):
+    "The worker count of `thr`'s (`bench_loaders` results) fastest `ImageDataLoaders train (N workers)` row; `default` where there is none"
+    timed = {int(m[1]): v['img_s'] for k,v in thr.items() if (m := _IDL.match(k))}
+    return max(timed, key=timed.get) if timed else default
 
 def _exact_kw():
     "`exact_resize_crop=True` where the loaders take it as a keyword, else None (that row is left out)"
@@ -408,10 +483,10 @@ def mixed_workers(root, py_workers, bs=128, size=224, device=None, repeats=3, wa
     return res
 
 # %% ../nbs/07_bench.ipynb #c030
-def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=None, repeats=3, max_batches=60,
+def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
               out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
-              sections=DEFAULT_SECTIONS, py_workers=(4,8,16), parity_n=150):
-    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`"
+              sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150):
+    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
     from fastai.vision.all import (ImageDataLoaders, Resize, Normalize, imagenet_stats, aug_transforms, parent_label,
                                    DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files, models,
                                    RandomResizedCrop)
@@ -422,6 +497,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
     if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
     if not aug: S -= {'augment', 'augment-steps'}
     if not mixed: S -= {'mixed', 'mixed-workers'}
+    workers,py_workers = tuple(workers or fit_workers()),tuple(py_workers or fit_workers())
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if device is None: device = 'cuda' if torch.cuda.is_available() and dali_cuda_count() else 'cpu'
     gpu = device != 'cpu'
@@ -429,14 +505,13 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
     res = {'machine': {'device': torch.cuda.get_device_name(0) if gpu else f'CPU ({default_num_threads()} cores)',
                        'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
                        'torch': torch.__version__, 'python': platform.python_version()},
-           'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), device=device, repeats=repeats,
+           'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), py_workers=list(py_workers), device=device, repeats=repeats,
                             max_batches=max_batches, sections=[s for s in SECTIONS if s in S])}
     print(res['machine'], flush=True)
     norm = Normalize.from_stats(*imagenet_stats)
     kw = dict(item_tfms=Resize(size), batch_tfms=norm, bs=bs, device=device)
     dls = DaliDataLoaders.from_folder(root, **kw)
     files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
-    W = max(workers)
     L = {_RAW: lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)}
     if 'throughput' in S:
         L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
@@ -471,22 +546,28 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         for roi in (True, False): L[f'DaliDataLoaders train, RandomResizedCrop, roi_decode={roi}'] = (lambda d: lambda: d.train)(rrc[roi])
     idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
     if 'throughput' in S:
-        for w in workers: L[f'ImageDataLoaders train ({w} workers)'] = (lambda d: lambda: d.train)(idls[w])
-    if 'augment' in S:
-        idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
-        L[f'ImageDataLoaders train + aug_transforms() ({W} workers)'] = lambda: idl_aug.train
+        for w in workers: L[f'ImageDataLoaders train ({_nw(w)})'] = (lambda d: lambda: d.train)(idls[w])
     thr = bench_loaders(L, max_batches=max_batches, repeats=repeats, warmup=warmup)
+    # ImageDataLoaders' comparisons (goals, its augment and training rows) use its fastest count of this run
+    W = res['imagedataloaders_workers'] = fastest_workers(thr, max(workers))
+    if 'augment' in S:  # timed after the others, once that count is known; its ratio to the hand-written DALI row above
+        idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
+        k = f'ImageDataLoaders train + aug_transforms() ({_nw(W)})'
+        thr[k] = bench_loaders({k: lambda: idl_aug.train}, max_batches=max_batches, repeats=repeats, warmup=warmup,
+                               label='timing')[k]
+        thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
     if 'mixed' in S:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
         k = 'DaliDataLoaders train, get_x -> bytes (external_source)'
         thr[k] = bench_loaders({k: lambda: dls_py.train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
         thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
     res['throughput'] = thr
-    print('\n' + results_markdown(thr), flush=True)  # on a line of its own, after the progress bar
+    show_markdown(results_markdown(thr))
     if 'augment-steps' in S:
         A = {k: (lambda d: lambda: d.train)(DaliDataLoaders.from_folder(root, item_tfms=it(size), batch_tfms=[*bt, norm], bs=bs, device=device))
              for k,(it,bt) in augment_steps().items()}
-        res['augment_steps'] = bench_loaders(A, max_batches=max_batches, repeats=repeats, warmup=warmup, show_progress=False)
-        print('\n' + results_markdown(res['augment_steps']), flush=True)
+        res['augment_steps'] = bench_loaders(A, max_batches=max_batches, repeats=repeats, warmup=warmup,
+                                             label='timing one augmentation at a time')
+        show_markdown(results_markdown(res['augment_steps']))
     if 'mixed-workers' in S: res['mixed_workers'] = mixed_workers(root, py_workers, bs=bs, size=size, device=device,
                                                                   repeats=repeats, warmup=warmup)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
@@ -503,7 +584,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         syn = DataLoaders(sdl, sdl)
         # row: (data, with `DeviceLossCallback`: fastai's smoothed loss on the GPU; None: a plain PyTorch loop)
         rows = {'model only (synthetic batches on the GPU)': (syn, False), 'DaliDataLoaders': (dls, False),
-                f'ImageDataLoaders ({W} workers)': (idls[W], False),
+                f'ImageDataLoaders ({_nw(W)})': (idls[W], False),
                 'plain PyTorch loop, synthetic batches': (sdl, None), 'plain PyTorch loop, DaliDataLoaders': (dls.train, None),
                 'model only, DeviceLossCallback': (syn, True), 'DaliDataLoaders, DeviceLossCallback': (dls, True),
                 **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': (d, True) for t,d in dls_nt.items()}}
@@ -511,7 +592,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
         # every row one epoch per round, interleaved (see `fit_rounds`)
         make = lambda d, loss_cb: lambda: (torch_loop_epochs(d, arch, dls.c, device=device) if loss_cb is None else
                                            fit_epochs(d, arch, dls.c, cbs=[DeviceLossCallback()] if loss_cb else []))
-        fit[a],fit_runs[a] = fit_rounds({k: make(d, cb) for k,(d,cb) in rows.items()}, epochs)
+        fit[a],fit_runs[a] = fit_rounds({k: make(d, cb) for k,(d,cb) in rows.items()}, epochs, label=f'timing learn.fit {a}')
         gc.collect()  # the rows' Learners
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
@@ -528,25 +609,29 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=(4,8,16), device=Non
                 fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
                 tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname)
                 print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
-    res['targets'] = t = throughput_targets(res, gpu, W)
+    res['targets'] = throughput_targets(res, gpu, W)
+    show_markdown(goals_markdown(res))
     _write_results(res, out, mem_epochs)
     return res
 
 # %% ../nbs/07_bench.ipynb #c031
-def throughput_targets(res, gpu, W):
-    "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has"
+def throughput_targets(res, gpu, W=None):
+    "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has; `ImageDataLoaders` with `W` workers (default: its fastest row)"
     t,thr = [],res['throughput']
     g = lambda k: thr[k]['img_s'] if k in thr else None
-    raw,idl = g(_RAW),g(f'ImageDataLoaders train ({W} workers)')
+    if W is None: W = fastest_workers(thr)
+    raw,idl = g(_RAW),g(f'ImageDataLoaders train ({_nw(W)})')
+    n_idl = sum(bool(_IDL.match(k)) for k in thr)
+    IDL = f'ImageDataLoaders ({_nw(W)}' + (f', its fastest of {n_idl} counts)' if n_idl > 1 else ')')
     dec = max((v['img_s'] for k,v in thr.items() if k.startswith('decode only')), default=None)
     for split in ('train', 'valid'):
         if (v := g(f'DaliDataLoaders {split}')) is None: continue
         _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95 if gpu else 0.9)
         if gpu and dec: _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
         if idl and gpu:
-            _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 12,
+            _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, 12,
                     'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl) if dec else '')
-        elif idl: _target(t, f'DaliDataLoaders {split} / ImageDataLoaders ({W} workers)', v/idl, 2.0)
+        elif idl: _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, 2.0)
     if (v := g('DaliDataLoaders train, RandomResizedCrop, roi_decode=True')) is not None:
         off,rs = g('DaliDataLoaders train, RandomResizedCrop, roi_decode=False'),g('DaliDataLoaders train')
         _target(t, 'RandomResizedCrop: window decode / whole decode', v/off, 1.0)
@@ -560,12 +645,26 @@ def throughput_targets(res, gpu, W):
         if 'DaliDataLoaders, DeviceLossCallback' in f:
             _target(t, f'learn.fit {a}, DeviceLossCallback: DaliDataLoaders / model-only', f['DaliDataLoaders, DeviceLossCallback']/f['model only, DeviceLossCallback'], goal)
             _target(t, f'learn.fit {a}: DaliDataLoaders with DeviceLossCallback / without', f['DaliDataLoaders, DeviceLossCallback']/f['DaliDataLoaders'], 1.0)
-        _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders', f['DaliDataLoaders']/f[f'ImageDataLoaders ({W} workers)'], 5)
+        if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
+            _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({_nw(W)})', f['DaliDataLoaders']/i, 5)
         if (v := f.get('DaliDataLoaders, RandomResizedCrop + aug_transforms()')) is not None:
             _target(t, f'learn.fit {a}, RandomResizedCrop + aug_transforms(): DaliDataLoaders / model-only', v/f['model only (synthetic batches on the GPU)'], aug_goal)
     if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
     return t
+
+def goals_markdown(res):
+    "`res['targets']` as a markdown table: goal, measured, target, and 'met' or 'below goal' (with the reason where there is one)"
+    rows = [[o['target'], f"{o['value']:.2f}", f"≥ {o['goal']}", 'met' if o['met'] else 'below goal' + (f": {o['why']}" if o.get('why') else '')]
+            for o in res['targets']]
+    if not rows: return 'No goal applies to the rows this run measured.'
+    md = md_table(['goal (a ratio of this run)', 'measured', 'target', 'result'], rows, right=(1, 2))
+    s = res.get('settings', {})
+    if not all(o['met'] for o in res['targets']) and (s.get('repeats', 3) < 3 or (s.get('max_batches') or 60) < 30):
+        p = s['repeats']
+        md += (f"\n\nA short run ({p} pass{'es' if p != 1 else ''} of {s['max_batches']} batches per loader): its ratios spread wider than"
+               " the margins of the goals; the defaults (3 passes of 60 batches, thousands of images) give figures to compare.")
+    return md
 
 def _write_results(res, out, mem_epochs):
     "bench.json, bench.md and bench.png in `out`"
@@ -596,7 +695,7 @@ def _write_results(res, out, mem_epochs):
         md += [f"| {k} | {v['img_s']:,.0f} | {v['gpu_busy']:.2f} | {v['gpu_ms_per_batch']['dali']:.2f} | {v['gpu_ms_per_batch']['model and the rest']:.2f} "
                f"| {v['host_syncs_per_batch']:.1f} | {v['host_sync_ms_per_batch']:.2f} | {v['cpu_ms_per_batch']['fastai batch']:.2f} "
                f"| {v['cpu_ms_per_batch']['between batches (loader, callbacks)']:.2f} |" for k,v in res['fit_trace'].items() if v]
-    md += ['', '### Throughput targets', '', '| target | value | goal | met |', '|---|---:|---:|---|'] + [f"| {o['target']} | {o['value']:.2f} | {o['goal']} | {'yes' if o['met'] else 'NO'} |" for o in res['targets']]
+    md += ['', '### Goals', '', goals_markdown(res)]
     (out/'bench.md').write_text('\n'.join(md)+'\n')
     bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {s['bs']}, {s['size']} px")
     print(f'wrote {out}/bench.json, bench.md, bench.png')
@@ -612,13 +711,16 @@ def cli(argv=None):
     b.add_argument('--sections', default=','.join(DEFAULT_SECTIONS),
                    help=f"comma-separated, or 'all': {', '.join(SECTIONS)} (default: %(default)s)")
     b.add_argument('--n', type=int, default=10000); b.add_argument('--bs', type=int, default=128)
-    b.add_argument('--size', type=int, default=224); b.add_argument('--workers', default='4,8,16', help='ImageDataLoaders num_workers counts')
+    fw = ','.join(map(str, fit_workers()))
+    b.add_argument('--size', type=int, default=224)
+    b.add_argument('--workers', default=None, help="ImageDataLoaders num_workers counts, comma-separated; its comparisons use the "
+                   f"fastest (default: fastai's own default min(16, cores), its half and its quarter: {fw} here)")
     b.add_argument('--device', default=None, help="'cuda' or 'cpu' (default: cuda when DALI sees a GPU)")
     b.add_argument('--repeats', type=int, default=3); b.add_argument('--max-batches', type=int, default=60)
     b.add_argument('--archs', default='resnet18,resnet50', help="models for learn.fit timing ('' to skip)")
     b.add_argument('--epochs', type=int, default=3, help='of each fit row (the first is not timed)'); b.add_argument('--out', default='fastai_dali_bench')
     b.add_argument('--mem-epochs', type=int, default=10, help='epochs of the memory section')
-    b.add_argument('--py-workers', default='4,8,16', help='worker process counts of the mixed-workers section')
+    b.add_argument('--py-workers', default=None, help=f'worker process counts of the mixed-workers section (default: as --workers, {fw} here)')
     b.add_argument('--parity-n', type=int, default=150, help='generated JPEGs of the parity section')
     b.add_argument('--no-aug', action='store_true'); b.add_argument('--no-mixed', action='store_true')
     g = sub.add_parser('bench-gpus', help='train and time on 1 and on N GPUs (or CPU processes) under fastai\'s distrib_ctx, '
@@ -643,7 +745,7 @@ def cli(argv=None):
         return
     sections = [o for o in a.sections.split(',') if o]
     if bad := set(sections) - {*SECTIONS, 'all'}: ap.error(f"unknown sections {','.join(sorted(bad))}: choose from {', '.join(SECTIONS)}")
-    ints = lambda s: tuple(int(w) for w in s.split(',') if w)
+    ints = lambda s: tuple(int(w) for w in s.split(',') if w) if s else None  # None: fitted to the machine
     run_bench(a.path, n=a.n, bs=a.bs, size=a.size, workers=ints(a.workers), device=a.device, repeats=a.repeats,
               max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o), epochs=a.epochs,
               aug=not a.no_aug, mixed=not a.no_mixed, mem_epochs=a.mem_epochs, sections='all' if 'all' in sections else sections,
