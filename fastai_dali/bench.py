@@ -81,6 +81,7 @@ def raw_dali_aug_pipeline(files, labels, size=224, shuffle=True, max_rotate=10.,
 
 # %% ../nbs/07_bench.ipynb #c011
 import json, time, statistics, gc, inspect, os, re, sys, contextlib, tempfile
+from importlib import import_module
 from pathlib import Path
 import torch
 from fastprogress.fastprogress import progress_bar, ConsoleProgressBar
@@ -103,8 +104,8 @@ def md_table(head, rows, right=()):
 def show_markdown(md):
     "Markdown `md`, rendered where stdout is a notebook's output (`IPython.display.Markdown`), else printed as text after a blank line"
     if type(sys.stdout).__module__.startswith('ipykernel'):
-        from IPython.display import display, Markdown
-        display(Markdown(md))
+        d = import_module('IPython.display')  # there wherever ipykernel is: not one of the package's requirements
+        d.display(d.Markdown(md))
     else: print('\n' + md, flush=True)  # on a line of its own, after a progress bar
 
 def _clip(s, n):

@@ -3,7 +3,7 @@ goals compared with `ImageDataLoaders`' fastest row and shown as a table, progre
 no log line that reads like a failure (torch.profiler's tracer, kineto, prints from C++ on file descriptor 2, so the
 trace runs in a subprocess and its output is read from there).
 """
-import io, json, os, re, subprocess, sys, textwrap
+import io, json, os, re, subprocess, sys, textwrap, types
 from pathlib import Path
 import pytest
 from fastai_dali.bench import (fit_workers, fastest_workers, throughput_targets, goals_markdown, show_markdown,
@@ -71,16 +71,18 @@ def test_goals_are_a_table():
 
 def test_tables_render_in_a_notebook(monkeypatch):
     "Where stdout is a notebook's (ipykernel's), the tables go out as `text/markdown` (rendered by Jupyter and the docs builder)"
-    import IPython.display
+    class Markdown:  # IPython's, as far as the bench uses it (IPython is there wherever ipykernel is; not a requirement)
+        def __init__(self, data): self.data = data
     class OutStream(io.StringIO): pass
     OutStream.__module__ = 'ipykernel.iostream'
     shown,out = [],OutStream()
-    monkeypatch.setattr(IPython.display, 'display', lambda o: shown.append(o))
+    monkeypatch.setitem(sys.modules, 'IPython.display', types.SimpleNamespace(display=shown.append, Markdown=Markdown))
     monkeypatch.setattr(sys, 'stdout', out)
     show_markdown('| a |\n|---|')
     assert [type(o).__name__ for o in shown] == ['Markdown'] and shown[0].data == '| a |\n|---|' and out.getvalue() == ''
 
-def test_bars_say_what_they_time(capsys):
+def test_bars_say_what_they_time(capsys, monkeypatch):
+    monkeypatch.setenv('COLUMNS', '160')  # a console bar clips its comment to the terminal's width (80 on some machines)
     class Batches:
         def __iter__(self): return iter([(b'x'*4,)]*4)
     bench_loaders({'a loader': Batches, 'another': Batches}, warmup=1, repeats=2)
