@@ -6,13 +6,15 @@ Quarto (and so `nbdev_docs`) is not available, so this does what `nbdev_docs` do
 1. each of `index.ipynb` (the home page) and `nbs/*.ipynb` goes through nbdev's own notebook processors
    (`add_show_docs`, `hide_line`, `rm_header_dash`, `clean_show_doc`, `rm_export`, `hide_`, ...), with nbdev's
    `exec_show_docs` replaced by running the whole notebook with nbclient (DALI's CPU backend on a machine without a
-   GPU), so every output, `show_batch` picture and `dali_report` table is on the page;
+   GPU; kernels over IPC, not TCP), so every output, `show_batch` picture and `dali_report` table is on the page;
 2. the processed notebook becomes a Markdown page: code cells as Python blocks (`#|` lines removed; `echo: false`,
    `output: false`, `include: false` honoured), pictures as PNG files, HTML outputs as they are, `show_doc`
-   outputs as API entries (heading with an id per name, signature, docstring, a link to the source line on GitHub);
+   outputs as API entries (heading with an id per name, signature as nbdev shows it (`x=None`, not
+   `x:NoneType=None`), docstring, a link to the source line on GitHub);
    backticked public names link to their entry;
 3. mkdocs (material theme, no web fonts, no repo widget: the site makes no request outside itself) builds the
-   HTML with its search index. Navigation: Home, Tutorials (`nbs/1N_*.ipynb`), Guides (`08_troubleshooting`),
+   HTML with its search index; code blocks wrap their long lines, clear of the copy button (`docs_site/extra.css`,
+   with pymdownx.highlight's `line_spans` for a hanging indent). Navigation: Home, Tutorials (`nbs/1N_*.ipynb`), Guides (`08_troubleshooting`),
    Reference (the rest, in file-name order), each titled by the notebook's first `# ` heading; `docs/results/README.md`
    (the measured results) is a Guides page too.
 
@@ -20,7 +22,7 @@ Options: `--no-exec` keeps the notebooks' saved outputs instead of running them 
 `--only NAME ...` builds some notebooks only (with index.ipynb). The Markdown sources and the generated
 `mkdocs.yml` are written to `_site_src/`.
 """
-import argparse, base64, configparser, importlib, inspect, json, os, re, shutil, subprocess, sys, time
+import argparse, base64, configparser, importlib, inspect, json, os, re, shutil, subprocess, sys, time, warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +68,25 @@ def notebooks(only=None):
     return [ROOT/'index.ipynb'] + nbs
 
 # ---------------------------------------------------------------- nbdev's processors, with nbclient running the notebook
+_n_kernels = 0
+def _kernel_config():
+    """Kernels talk to the build over IPC (Unix sockets), not TCP: ipykernel >= 7 warns `Kernel is running over TCP
+    without encryption` at every start over TCP (jupyter_client's default transport, without CurveZMQ keys), once per
+    notebook. The sockets get an absolute name in jupyter's runtime directory (private to the user; jupyter_client
+    removes them when the kernel stops): the default name is relative to each process's working directory, and a
+    kernel runs in its notebook's folder. Windows has no IPC: TCP there."""
+    global _n_kernels
+    from traitlets.config import Config
+    from jupyter_core.paths import jupyter_runtime_dir
+    cfg = Config()
+    if os.name == 'posix':
+        rt = jupyter_runtime_dir(); os.makedirs(rt, mode=0o700, exist_ok=True)
+        _n_kernels += 1
+        ip = os.path.join(rt, f'fastai-dali-docs-{os.getpid()}-{_n_kernels}-ipc')
+        if len(ip) < 95:  # a Unix socket's name is at most 107 bytes (ip + '-PORT')
+            cfg.KernelManager.transport, cfg.KernelManager.ip = 'ipc', ip
+    return cfg
+
 def _exec_proc(path, execute, timeout):
     from nbdev.process import Processor
     from fastcore.xtras import dict2obj
@@ -88,7 +109,8 @@ def _exec_proc(path, execute, timeout):
                     nc.metadata['tags'] = ['skip-execution']
                 cells.append(nc)
             nb = nbformat.v4.new_notebook(cells=cells, metadata={'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}})
-            client = NotebookClient(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}})
+            client = NotebookClient(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}},
+                                    config=_kernel_config())
             client.execute()
             for c, nc in zip(self.nb.cells, nb.cells[1:]):
                 if c.cell_type == 'code': c['outputs'] = [dict2obj(dict(o)) for o in nc.get('outputs', [])]
@@ -121,7 +143,9 @@ def source_link(name):
     mod, fn = _modidx[name]
     url = f"{settings()['git_url']}/blob/{settings().get('branch', 'main')}/{fn}"
     try:
-        obj = importlib.import_module(mod)
+        with warnings.catch_warnings():  # fastai's layers use torch.jit.script, deprecated by torch (2.14 here): not ours to fix
+            warnings.filterwarnings('ignore', r'`torch\.jit\.script` is deprecated', FutureWarning)
+            obj = importlib.import_module(mod)
         for a in name.split('.'): obj = getattr(obj, a)
         obj = inspect.unwrap(getattr(obj, 'fget', obj))
         return f'{url}#L{inspect.getsourcelines(obj)[1]}'
@@ -151,8 +175,14 @@ def _fence(s, lang=''):
 _re_sd_src = re.compile(r'\[source\]\(([^)]*)\)(\{[^}]*\})?')
 _re_sd_head = re.compile(r'^(#{2,4})\s+(\S+)\s*$', re.MULTILINE)
 
+_re_sd_sig = re.compile(r'^```python\n.*?^```', re.MULTILINE | re.DOTALL)
+_re_none_anno = re.compile(r'(?<=\w):NoneType=None\b')
+
 def _show_doc_md(md, entries, page):
-    "nbdev's show_doc Markdown: one id per entry (the name, lowercased, as nbdev's doc links), a source link to the line"
+    """nbdev's show_doc Markdown: one id per entry (the name, lowercased, as nbdev's doc links), a source link to the
+    line; in the signature a parameter `x=None` stays `x=None` (fastcore's `DocmentText` gives a parameter without an
+    annotation the type of its default: `x:NoneType=None`, which says `x` takes None only; `bs:int=64` stays)"""
+    md = _re_sd_sig.sub(lambda m: _re_none_anno.sub('=None', m.group(0)), md, count=1)
     m = _re_sd_head.search(md)
     if not m: return md
     name = m.group(2).replace('\\', '')
@@ -234,7 +264,7 @@ def linkify(md, page, entries, src_nb, pages, copies):
         tgt = (src_nb.parent/path).resolve()
         try: rel = tgt.relative_to(ROOT)
         except ValueError: return m.group(0)
-        if tgt.suffix == '.ipynb' and tgt in pages: new = _relpath(pages[tgt], page)
+        if tgt in pages: new = _relpath(pages[tgt], page)  # a notebook, or docs/results/README.md: its page
         elif rel.parts and rel.parts[0] == 'docs' and tgt.exists():
             copies.add(rel); new = _relpath(str(rel), page)
         elif tgt.exists(): new = f"{s['git_url']}/blob/{s.get('branch','main')}/{rel.as_posix()}"
@@ -284,6 +314,7 @@ docs_dir: {json.dumps(str(src_dir))}
 site_dir: {json.dumps(str(out_dir))}
 use_directory_urls: true
 strict: false
+not_in_nav: /docs/  # files under docs/ that pages link to, copied as they are (else mkdocs lists them at every build)
 theme:
   name: material
   font: false
@@ -304,6 +335,7 @@ markdown_extensions:
   - pymdownx.superfences
   - pymdownx.highlight:
       use_pygments: true
+      line_spans: __span
   - toc:
       permalink: true
 validation:
