@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 from .core import *
-from .demo import _sync, make_image_folder
+from .demo import _sync, make_image_folder, scratch_dir
 
 # %% auto #0
 __all__ = ['id_folder', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']
@@ -141,7 +141,8 @@ def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def _launch(k, out, path, ids_root, cpu, timeout, **kw):
-    env = {**os.environ, 'PYTHONWARNINGS': 'ignore'}
+    # TMPDIR: torchrun's agent leaves a torchelastic_* folder in the temporary folder; this one goes when we exit
+    env = {**os.environ, 'PYTHONWARNINGS': 'ignore', 'TMPDIR': str(scratch_dir('fastai_dali_torchrun_'))}
     if cpu: env.update(ACCELERATE_USE_CPU='1', OMP_NUM_THREADS='1')
     args = [f'--{k_}={v}' for k_,v in kw.items()]
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(k), '--master_port', str(_free_port()),
