@@ -256,7 +256,8 @@ def _build(self:DaliDL):
         if num_shards > 1: raise NotImplementedError(
             "DaliDL shards image files (DALI's reader), not the bytes a `get_x` returns: with several processes, give the "
             "DataBlock a `get_x` that returns each item's file path, or train this dataset in one process")
-        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, None if shuffle else idxs, seed, EpochFlag())
+        files,labels,source = [],[],EpochSource(src, len(self)*self.bs, self.bs, None if shuffle else idxs, seed,
+                                                  EpochFlag())
         kw = python_workers_kwargs(source, self.py_workers)
     else:
         if num_shards > 1:  # equal shares (see "Shards")
@@ -270,7 +271,7 @@ def _build(self:DaliDL):
     self._check_jpeg_ends()
     mfiles = None if masks is None else [masks[i] for i in idxs]
     pipe = fastai_pipeline(files, labels, plan, train=not split_idx, shuffle=shuffle, shard_id=shard_id,
-                           num_shards=num_shards, log=log, source=source, parallel=bool(kw), batch_size=self.bs,
+                           num_shards=num_shards, log=log, source=source, py_workers=self.py_workers if kw else 0, batch_size=self.bs,
                            num_threads=self.num_threads, device_id=device_id,
                            seed=augment_seed(seed, self.shard_id),
                            prefetch_queue_depth=self.prefetch, reader_seed=reader_seed, hw_decoder_load=self.hw_decoder_load,

@@ -106,7 +106,7 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    parallel=True, mask_files=None, reader_seed=0, hw_decoder_load=None):
+                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None):
     "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
     gpu = Pipeline.current().device_id is not None
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
@@ -118,8 +118,12 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
         rkw['seed'] = reader_seed
         if shuffle: rkw['shuffle_after_epoch_seed'] = reader_seed
     if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
-    else:  # a per-sample Python callback (in worker processes if `parallel`) returning (encoded bytes, item index)
-        jpegs,y = fn.external_source(source, num_outputs=2, batch=False, parallel=parallel, dtype=[types.UINT8, types.INT64])
+    else:  # a per-batch Python callback (in `py_workers` worker processes, each computing whole batches; 0: in this
+        # one): the encoded images packed in one array, their lengths, the item indices (see `EpochSource`, 03d)
+        wkw = dict(parallel=True, prefetch_queue_depth=py_workers) if py_workers else {}
+        packed,lengths,y = fn.external_source(source, num_outputs=3, batch=True, batch_info=True,
+                                              dtype=[types.UINT8, types.INT32, types.INT64], **wkw)
+        jpegs = fn.slice(packed, start=[0], shape=lengths, axes=[0])  # each image's bytes, without the padding
     # fastai's `PILImage.create` ignores the EXIF orientation: so does DALI (`adjust_orientation=False`)
     # A Python step needs CPU images, so decode on the CPU then; otherwise decode on the GPU ('mixed')
     mixed = gpu and not plan.python

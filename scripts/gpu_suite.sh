@@ -17,6 +17,15 @@ if [[ $procs -gt 1 ]]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl FASTAI_DALI_BUILD_LOG=$OUT/builds_cuda.jsonl
 run=${1:-1}; extra=${2:-none}
+# Every process of the suite (4 xdist workers, the console-command tests' subprocesses, DALI's spawned workers) imports
+# torch, fastai and DALI: byte-compile what was installed into /tmp/site once (pip installed it with --no-compile), and
+# say what an import costs before and after
+imp() { python3 -c "import time; t = time.perf_counter(); import fastai_dali.all; print('import fastai_dali.all ($1): %.1f s' % (time.perf_counter() - t))" 2>&1 | tail -1; }
+if [[ ! -f /tmp/site/.compiled ]]; then
+  { echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"; imp 'as installed'; imp 'again'
+    python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; touch /tmp/site/.compiled; imp 'byte-compiled'; } > $OUT/import_times.txt 2>&1
+  cat $OUT/import_times.txt
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__)"; } > $OUT/env.txt 2>&1
 if [[ -z ${SKIP_SUITE:-} ]]; then

@@ -281,7 +281,7 @@ def test_dropped_loaders_pipelines_go_after_a_gpu_build(id_root):
 
 # ------------------------------------------------------------------------------------ 4. collections in DALI's threads
 COLLECTED_IN_DALI_THREAD = '''
-import gc, itertools, sys, threading
+import gc, itertools, sys, threading, time
 from pathlib import Path
 import numpy as np
 from PIL import Image
@@ -295,20 +295,27 @@ for split,n in (('train', 24), ('valid', 4)):
         (root/split/c).mkdir(parents=True)
         for i in range(n): Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(root/split/c/f'{i}.png')
 BS, PREFETCH, calls, once = 2, 2, itertools.count(), threading.Lock()
-dropped, collected = threading.Event(), threading.Event()
+dropped, collected, taken = threading.Event(), threading.Event(), threading.Event()
 
 class CollectOnceDropped(Transform):
     "No DALI translation: fn.python_function calls it in the pipeline's threads. Once its loader is dropped, a full collection there"
     order = 0
     def encodes(self, x:PILImage):
-        # the first PREFETCH batches run while the iterator is built; the next one once a batch was taken
-        if next(calls) >= PREFETCH*BS and dropped.wait(60) and once.acquire(blocking=False):
-            gc.collect()    # finds the dropped loader, and with it the pipeline running this very call
-            collected.set()
+        # the first PREFETCH batches run while the iterator is built, the next ones once a batch was taken. Until one
+        # was taken, the main thread may be waiting for this very batch (a build that runs a batch more ahead: on the
+        # H200 this test took 84 s against 11 s on the CPU, a call holding the build for its 60 s wait), so a call waits
+        # for the drop 1 s at most then; once a batch was taken, as long as the drop takes
+        if next(calls) >= PREFETCH*BS:
+            t = time.monotonic()
+            while not dropped.wait(0.1):
+                if time.monotonic() - t > (60 if taken.is_set() else 1): return x
+            if once.acquire(blocking=False):
+                gc.collect()    # finds the dropped loader, and with it the pipeline running this very call
+                collected.set()
         return x
 
 dls = DaliDataLoaders.from_folder(root, item_tfms=[CollectOnceDropped(), Resize(8)], bs=BS, device=device, prefetch=PREFETCH)
-it = iter(dls.train); next(it)
+it = iter(dls.train); next(it); taken.set()
 pid = id(dls.train.built.pipeline)
 del it, dls
 dropped.set()
