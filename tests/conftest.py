@@ -123,17 +123,17 @@ def build_at_once(*dls, timeout=300):
 
 # The GPU suite runs in 4 processes, a test file each at a time (pytest-xdist `--dist loadfile`), and lasts as long as
 # its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
-# (2026-12-01, H200: test_abandoned_epochs 194, test_parity 183, test_lifecycle 181, test_exactly_once ~165 with its 12
-# GPU examples, test_factories 141, test_user_commands 128, test_bad_input 118, test_augment 89, ...), so that no long
-# file starts last. pytest-xdist itself hands out the files with the most tests first, whatever their length: in three
-# runs that did so, `test_exactly_once.py` (one test) began when 94% of the tests were done and missed the 480 s limit.
-# So its reordering is off (`--no-loadscope-reorder`, set here) and the collection order below decides. Within a file
-# the order stays. A process starts a test only once it holds the next one too (fixtures are torn down by what comes
-# next), so the process given the one-test file gets a second file at once: the short `test_segmentation.py`, next in
-# the order.
-LONGEST_FIRST = ('test_abandoned_epochs.py', 'test_parity.py', 'test_lifecycle.py', 'test_exactly_once.py',
-                 'test_segmentation.py', 'test_factories.py', 'test_user_commands.py', 'test_bad_input.py',
-                 'test_augment.py', 'test_item_order.py', 'test_mixed.py', 'test_resize_window.py', 'test_training.py')
+# (2026-12-02, H200: test_lifecycle 209, test_parity 185, test_abandoned_epochs 175, test_user_commands 141,
+# test_factories 132, test_bad_input 95, test_exactly_once 94 with its five GPU examples, test_augment 68, ...), so that
+# no long file starts last. pytest-xdist itself hands out the files with the most tests first, whatever their length: in
+# three runs that did so, `test_exactly_once.py` (one test) began when 94% of the tests were done and missed the 480 s
+# limit. So its reordering is off (`--no-loadscope-reorder`, set here) and the collection order below decides. Within a
+# file the order stays. A process starts a test only once it holds the next one too (fixtures are torn down by what
+# comes next), so the process given a one-test file gets a second file at once.
+LONGEST_FIRST = ('test_lifecycle.py', 'test_parity.py', 'test_abandoned_epochs.py', 'test_user_commands.py',
+                 'test_factories.py', 'test_bad_input.py', 'test_exactly_once.py', 'test_augment.py', 'test_mixed.py',
+                 'test_item_order.py', 'test_bench_cli.py', 'test_segmentation.py', 'test_resize_window.py',
+                 'test_several_gpus_tutorial.py', 'test_training.py')
 
 def pytest_configure(config):
     if hasattr(config.option, 'loadscopereorder'): config.option.loadscopereorder = False  # pytest-xdist's
