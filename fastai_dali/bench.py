@@ -17,10 +17,11 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'fit_workers', 'md_table', 'show_markdown', 'bench_loaders', 'compare_loaders', 'results_markdown',
            'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner',
-           'fit_throughput', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'fit_rounds',
-           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'memory_over_epochs',
-           'make_bench_dataset', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown',
-           'run_bench', 'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
+           'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
+           'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace',
+           'memory_over_epochs', 'make_bench_dataset', 'fastest_workers', 'augment_steps', 'pixel_parity',
+           'mixed_workers', 'epochs_markdown', 'run_bench', 'throughput_targets', 'goals_markdown', 'cli',
+           'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -189,6 +190,7 @@ def decode_only_loader(files, bs=128, device=None, num_threads=None, hw_decoder_
     return _RunEpochs(pipe, len(files)//bs)
 
 # %% ../nbs/07_bench.ipynb #c019
+import contextlib
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
 from fastai.callback.core import Callback, CancelValidException
@@ -222,10 +224,10 @@ def serial_bound(model_img_s, loader_img_s):
     "Training img/s if every image costs the model's time plus the loader's (no overlap)"
     return 1/(1/model_img_s + 1/loader_img_s)
 
-def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None):
-    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last"
+def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None, opt_func=None):
+    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`)"
     m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
-    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat())
+    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat(), **({} if opt_func is None else dict(opt_func=opt_func)))
     if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
     elif bf16: learn.to_bf16()
     return learn
@@ -241,11 +243,24 @@ def fit_throughput(dls, arch, n_out, epochs=3, bf16=True, channels_last=True, cb
     epoch = fit_epochs(dls, arch, n_out, bf16, channels_last, cbs)
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
-def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cuda'):
-    "A function that trains a plain PyTorch loop over `dl` (SGD, bf16 autocast, channels_last, no callbacks) one more epoch and returns its img/s"
+def torch_optimizer(model, opt='sgd', lr=1e-3):
+    """The plain loop's optimizer: 'sgd' (torch's SGD, momentum 0.9), or fastai's `Adam` as torch's AdamW, with fastai's
+    hyper-parameters (betas (0.9, 0.99), eps 1e-5, decoupled weight decay 0.01, none on batch-norm and bias parameters):
+    'adamw' (torch's foreach kernels) or 'adamw_fused' (its fused kernel)"""
+    if opt == 'sgd': return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if opt not in ('adamw', 'adamw_fused'): raise ValueError(f"opt={opt!r}: 'sgd', 'adamw' or 'adamw_fused'")
+    from fastai.torch_core import norm_bias_params
+    nb = {id(p) for p in norm_bias_params(model)}
+    groups = [dict(params=[p for p in model.parameters() if id(p) not in nb]),
+              dict(params=[p for p in model.parameters() if id(p) in nb], weight_decay=0.)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01,
+                             **(dict(fused=True) if opt == 'adamw_fused' else dict(foreach=True)))
+
+def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cuda', opt='sgd'):
+    "A function that trains a plain PyTorch loop over `dl` (`torch_optimizer(opt)`, bf16 autocast, channels_last, no callbacks) one more epoch and returns its img/s"
     mf = torch.channels_last if channels_last else torch.contiguous_format
     m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf)
-    opt,lf = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),torch.nn.CrossEntropyLoss()
+    opt,lf = torch_optimizer(m, opt),torch.nn.CrossEntropyLoss()
     def epoch():
         _sync(); t0,n = time.perf_counter(),0
         for x,y in dl:
@@ -261,13 +276,27 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
     epoch = torch_loop_epochs(dl, arch, n_out, bf16, channels_last, device)
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
-def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=()):
-    "A function that trains a `bench_learner` (made once) one more epoch of `learn.fit`, validation skipped, and returns its training img/s"
-    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last),_TrainTimer()
+def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None):
+    """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
+    if given) one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training
+    img/s; the wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
+    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),_TrainTimer()
+    if compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
     def epoch():
-        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=[t, *cbs])
+        t0 = time.perf_counter()
+        with (contextlib.nullcontext() if bar else learn.no_bar()), learn.no_logging(): learn.fit(1, 1e-3, cbs=[t, *cbs])
+        epoch.seconds.append(time.perf_counter() - t0)
         return t.runs[-1]
+    epoch.seconds = []
     return epoch
+
+def compile_works(device='cuda'):
+    "None if `torch.compile` compiles and runs a small function on `device` here, else why not (its error, one line)"
+    try:
+        f = torch.compile(lambda x: torch.relu(x) * 2)
+        f(torch.randn(8, device=device)).sum().item()
+    except Exception as e: return f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+    return None
 
 def fit_rounds(rows:dict, epochs=3, label=None):
     """`rows`: {name: a zero-argument function making an epoch function (`fit_epochs`, `torch_loop_epochs`)}. Each row
@@ -410,9 +439,14 @@ def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs
     return root
 
 # %% ../nbs/07_bench.ipynb #c025
-SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'trace', 'memory', 'resize', 'parity')
+SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-threads',
+            'training-compile', 'trace', 'memory', 'resize', 'parity')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
+# training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
+_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
+_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
+_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
 
 def _read_bytes(f): return Path(f).read_bytes()
 
@@ -504,6 +538,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     import fastai, nvidia.dali, platform
     from fastai_dali.data import DaliDataLoaders
     from fastai_dali.training import DeviceLossCallback
+    from fastai_dali.optimizer import ForeachAdam
     S = set(SECTIONS if sections in ('all', ['all'], ('all',)) else sections)
     if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
     if not aug: S -= {'augment', 'augment-steps'}
@@ -590,7 +625,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     fit,fit_runs = {},{}
     # fewer DALI threads when the training loop shares the cores (fastai's loop thread launches the model's kernels)
-    dls_nt = {t: DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)} if gpu and 'training' in S else {}
+    dls_nt = {t: DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)} if gpu and 'training-threads' in S else {}
     if gpu and 'training' in S and 'augment' not in S:  # training with fastbook's augmentation, as the augment section's loader
         dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35),
                                               batch_tfms=[*aug_transforms(), norm], bs=bs, device=device)
@@ -598,17 +633,35 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
         arch = getattr(models, a)
         sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
         syn = DataLoaders(sdl, sdl)
-        # row: (data, with `DeviceLossCallback`: fastai's smoothed loss on the GPU; None: a plain PyTorch loop)
-        rows = {'model only (synthetic batches on the GPU)': (syn, False), 'DaliDataLoaders': (dls, False),
-                f'ImageDataLoaders ({_nw(W)})': (idls[W], False),
-                'plain PyTorch loop, synthetic batches': (sdl, None), 'plain PyTorch loop, DaliDataLoaders': (dls.train, None),
-                'model only, DeviceLossCallback': (syn, True), 'DaliDataLoaders, DeviceLossCallback': (dls, True),
-                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': (d, True) for t,d in dls_nt.items()}}
-        rows['DaliDataLoaders, RandomResizedCrop + aug_transforms()'] = (dls_rrc, False)
+        # row: data, and a plain PyTorch loop's optimizer (`torch_optimizer`), or fastai's `Learner` with: its optimizer
+        # (fast: `ForeachAdam`; else fastai's `Adam`), `DeviceLossCallback` (fastai's smoothed loss on the GPU), the bar on
+        P = lambda d, opt: dict(d=d, torch=opt)
+        F = lambda d, fast=False, loss=False, bar=False, compile=None: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile)
+        rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls),
+                f'ImageDataLoaders ({_nw(W)})': F(idls[W]),
+                'plain PyTorch loop, synthetic batches': P(sdl, 'sgd'), 'plain PyTorch loop, DaliDataLoaders': P(dls.train, 'sgd'),
+                _PLAIN_ADAMW: P(sdl, 'adamw'), _PLAIN_FUSED: P(sdl, 'adamw_fused'),
+                'plain PyTorch loop, DaliDataLoaders, fused AdamW': P(dls.train, 'adamw_fused'),
+                'model only, DeviceLossCallback': F(syn, loss=True), 'DaliDataLoaders, DeviceLossCallback': F(dls, loss=True),
+                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': F(d, loss=True) for t,d in dls_nt.items()},
+                'DaliDataLoaders, RandomResizedCrop + aug_transforms()': F(dls_rrc),
+                'model only, ForeachAdam, DeviceLossCallback': F(syn, fast=True, loss=True),
+                'DaliDataLoaders, ForeachAdam': F(dls, fast=True),
+                _FAST: F(dls, fast=True, loss=True), f'{_FAST}, progress bar': F(dls, fast=True, loss=True, bar=True),
+                f'{_FAST}, RandomResizedCrop + aug_transforms()': F(dls_rrc, fast=True, loss=True)}
+        if 'training-compile' in S and a == archs[0]:  # the model `torch.compile`d (its first epoch, the compilation, timed apart)
+            if why := res.setdefault('compile_error', compile_works(device)): print('torch.compile: not measured:', why, flush=True)
+            else: rows.update({f'{_FAST}, torch.compile ({m})': F(dls, fast=True, loss=True, compile=m)
+                               for m in ('default', 'max-autotune-no-cudagraphs')})
         # every row one epoch per round, interleaved (see `fit_rounds`)
-        make = lambda d, loss_cb: lambda: (torch_loop_epochs(d, arch, dls.c, device=device) if loss_cb is None else
-                                           fit_epochs(d, arch, dls.c, cbs=[DeviceLossCallback()] if loss_cb else []))
-        fit[a],fit_runs[a] = fit_rounds({k: make(d, cb) for k,(d,cb) in rows.items()}, epochs, label=f'timing learn.fit {a}')
+        made = {}  # each row's epoch function, once made
+        make = lambda k, r: lambda: made.setdefault(k, torch_loop_epochs(r['d'], arch, dls.c, device=device, opt=r['torch'])
+                                    if 'torch' in r else fit_epochs(r['d'], arch, dls.c, cbs=[DeviceLossCallback()] if r['loss'] else [],
+                                                                    opt_func=ForeachAdam if r['fast'] else None, bar=r['bar'], compile=r['compile']))
+        fit[a],fit_runs[a] = fit_rounds({k: make(k, r) for k,r in rows.items()}, epochs, label=f'timing learn.fit {a}')
+        for k,r in rows.items():  # compilation: the first epoch's seconds beyond the median of the others
+            if r.get('compile') and len(sec := made[k].seconds) > 1:
+                res.setdefault('compile_s', {}).setdefault(a, {})[k] = sec[0] - statistics.median(sec[1:])
         gc.collect()  # the rows' Learners
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
             fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
@@ -668,6 +721,16 @@ def throughput_targets(res, gpu, W=None):
             _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({_nw(W)})', f['DaliDataLoaders']/i, 5)
         if (v := f.get('DaliDataLoaders, RandomResizedCrop + aug_transforms()')) is not None:
             _target(t, f'learn.fit {a}, RandomResizedCrop + aug_transforms(): DaliDataLoaders / model-only', v/f['model only (synthetic batches on the GPU)'], aug_goal)
+        # the fast path against the plain loop with the same optimizer (fastai's Adam as torch's AdamW) on synthetic batches
+        fast_goal,fast_aug_goal = {'resnet18': (0.9, 0.8), 'resnet50': (0.95, 0.9)}[a]
+        if (v := f.get(_FAST)) is not None and (c := f.get(_PLAIN_ADAMW)):
+            _target(t, f'learn.fit {a}, ForeachAdam + DeviceLossCallback: DaliDataLoaders / plain loop (AdamW, synthetic)', v/c, fast_goal)
+            if (r := f.get(f'{_FAST}, RandomResizedCrop + aug_transforms()')) is not None:
+                _target(t, f'learn.fit {a}, ForeachAdam + DeviceLossCallback, RandomResizedCrop + aug_transforms() / plain loop (AdamW, synthetic)', r/c, fast_aug_goal)
+            if a == 'resnet18':
+                _target(t, f'learn.fit {a}: ForeachAdam + DeviceLossCallback / fastai default (DaliDataLoaders)', v/f['DaliDataLoaders'], 1.7)
+                if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
+                    _target(t, f'learn.fit {a}: ForeachAdam + DeviceLossCallback / ImageDataLoaders ({_nw(W)})', v/i, 4)
     if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
     return t
@@ -705,9 +768,13 @@ def _write_results(res, out, mem_epochs):
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
     for a,f in res['fit_img_s'].items():
         runs = res.get('fit_runs', {}).get(a, {})
+        ceil = f.get(_PLAIN_FUSED)  # the ceiling: a plain loop, fastai's Adam as torch's fused AdamW, synthetic batches
         md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s: median of the rounds (every row one epoch a round, after a warm-up epoch)',
-               '', '| data | img/s | rounds: min - max |', '|---|---:|---:|']
-        md += [f"| {k} | {v:,.0f} | {f'{min(runs[k]):,.0f} - {max(runs[k]):,.0f}' if runs.get(k) else ''} |" for k,v in f.items()]
+               '', '| data | img/s | rounds: min - max |' + (' ÷ plain loop, fused AdamW |' if ceil else ''), '|---|---:|---:|' + ('---:|' if ceil else '')]
+        md += [f"| {k} | {v:,.0f} | {f'{min(runs[k]):,.0f} - {max(runs[k]):,.0f}' if runs.get(k) else ''} |" + (f' {v/ceil:.2f} |' if ceil else '')
+               for k,v in f.items()]
+        if cs := res.get('compile_s', {}).get(a): md += ['', 'torch.compile, seconds of the first epoch beyond the others: ' + ', '.join(f'{k}: {v:.0f} s' for k,v in cs.items())]
+    if res.get('compile_error'): md += ['', f"torch.compile not measured: {res['compile_error']}"]
     if res.get('fit_trace'):
         md += ['', '### Timeline of 20 training batches (torch.profiler: every CUDA kernel and runtime call of the process)', '',
                '| run | img/s | GPU busy | DALI kernels ms/batch | model kernels ms/batch | host syncs/batch | ms waiting | CPU: fastai batch ms | CPU: between batches ms |',

@@ -5,7 +5,7 @@
   the weights are fastai's own, with the progress bar on and off (DaliDataLoaders, on this run's device);
 - on a GPU, `torch.cuda.set_sync_debug_mode('warn')` sees every synchronizing call of torch from the loss to the
   end of the batch's callbacks: at least one per batch with fastai's own smoothed loss, none with the callback; and
-  none in `DaliDL`'s own path from DALI's output to fastai's batch (targets, types, device).
+  none with `ForeachAdam` as the optimizer either; none in `DaliDL`'s own path from DALI's output to fastai's batch (targets, types, device).
 """
 import warnings
 import pytest, torch
@@ -13,15 +13,16 @@ import fastai.learner
 from fastai.vision.all import Learner, Callback, Resize, Normalize, imagenet_stats
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import DeviceLossCallback, DeviceSmoothLoss
+from fastai_dali.optimizer import ForeachAdam
 from conftest import DEVICE, make_id_folder, IdNet, IdLoss
 
 @pytest.fixture(scope='module')
 def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))
 
-def learner(root, cbs=None):
+def learner(root, cbs=None, **kw):
     torch.manual_seed(0)
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(4), bs=6, device=DEVICE, shuffle=False)
-    return Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2, cbs=cbs)
+    return Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2, cbs=cbs, **kw)
 
 class CountLossCopies(Callback):
     "Calls of fastai's `to_detach(..., cpu=True)` made by `fastai.learner` (the smoothed loss) during training batches"
@@ -69,13 +70,15 @@ class SyncsInBatch(Callback):
 @pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
 def test_no_host_sync_per_training_batch(id_root):
     res = {}
-    for name,cbs in (('fastai', []), ('device', [DeviceLossCallback()])):
+    for name,cbs,kw in (('fastai', [], {}), ('device', [DeviceLossCallback()], {}),
+                        ('device, ForeachAdam', [DeviceLossCallback()], dict(opt_func=ForeachAdam))):
         s = SyncsInBatch()
-        learn = learner(id_root, cbs=[s, *cbs]); learn.model.cuda()
+        learn = learner(id_root, cbs=[s, *cbs], **kw); learn.model.cuda()
         learn.fit(2)
         res[name] = s.per_batch
     assert all(n >= 1 for n in res['fastai']), res      # the check sees fastai's copy of the loss
     assert res['device'] == [0]*len(res['device']), res
+    assert res['device, ForeachAdam'] == [0]*len(res['device']), res  # the foreach step syncs nothing either
 
 @pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
 def test_no_host_sync_in_the_loader(id_root):

@@ -1,0 +1,54 @@
+"""`ForeachAdam` / `ForeachSGD` (04c_optimizer) with `DaliDataLoaders`, as a user trains: the same parameters as fastai's
+own optimizer after `fine_tune` of a `vision_learner` (frozen body with `train_bn`, then unfrozen, discriminative rates),
+and `learn.export` / `load_learner` / `predict` with the optimizer's `opt_func`.
+
+The numbers compared: on the CPU backend the two trainings are equal to the bit (the foreach operations are fastai's
+operations tensor by tensor there); on a GPU the multi-tensor kernels may round differently from the per-tensor ones, so
+the parameters are compared against the difference two runs of fastai's own optimizer already show (cuDNN's
+convolutions are not deterministic), with a margin.
+"""
+import pickle
+import pytest, torch
+from fastai.vision.all import vision_learner, resnet18, Resize, Adam, SGD, set_seed, load_learner, accuracy
+from fastai_dali.data import DaliDataLoaders
+from fastai_dali.demo import make_image_folder
+from fastai_dali.optimizer import ForeachAdam, ForeachSGD, ForeachOptimizer
+from conftest import DEVICE
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory): return make_image_folder(tmp_path_factory.mktemp('opt'), 24, 8, min_size=40, max_size=64, seed=5)
+
+def fine_tuned(root, opt_func, **kw):
+    set_seed(0, reproducible=True)
+    dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(32), bs=8, device=DEVICE, seed=0)
+    learn = vision_learner(dls, resnet18, pretrained=False, opt_func=opt_func, metrics=accuracy, **kw)
+    with learn.no_bar(), learn.no_logging(): learn.fine_tune(1, 1e-3, freeze_epochs=1)
+    return learn, [p.detach().float().cpu().clone() for p in learn.model.parameters()]
+
+def rel(a, b): return max(((p-q).abs().max()/q.abs().max().clamp_min(1e-12)).item() for p,q in zip(a, b))
+
+@pytest.mark.parametrize('ours,theirs', [(ForeachAdam, Adam), (ForeachSGD, SGD)], ids=['adam', 'sgd'])
+def test_fine_tune_as_fastai(root, ours, theirs):
+    kw = dict(wd=0.1) if ours is ForeachSGD else {}
+    learn,got = fine_tuned(root, ours, **kw)
+    assert isinstance(learn.opt, ForeachOptimizer)
+    _,want = fine_tuned(root, theirs, **kw)
+    if DEVICE == 'cpu': assert rel(got, want) == 0.
+    else:
+        _,again = fine_tuned(root, theirs, **kw)
+        noise = rel(again, want)
+        print(f"relative difference: {rel(got, want):.2e}, fastai against itself: {noise:.2e}")
+        assert rel(got, want) <= max(10*noise, 1e-4), (rel(got, want), noise)
+
+def test_export_predict(root, tmp_path):
+    learn,_ = fine_tuned(root, ForeachAdam)
+    f = learn.dls.valid_ds.items[0]
+    want = learn.predict(f)
+    learn.export(tmp_path/'export.pkl')
+    learn2 = load_learner(tmp_path/'export.pkl', cpu=DEVICE == 'cpu')
+    assert learn2.opt_func is ForeachAdam
+    got = learn2.predict(f)
+    assert got[0] == want[0] and torch.allclose(got[2].cpu(), want[2].cpu(), atol=1e-5 if DEVICE == 'cpu' else 2e-3)
+    learn2.dls = learn.dls   # trains on after loading, with its state created afresh
+    with learn2.no_bar(), learn2.no_logging(): learn2.fit(1, 1e-4)
+    assert isinstance(learn2.opt, ForeachOptimizer) and all(s.get('step') for s in learn2.opt.state_dict()['state'][-2:])
