@@ -18,7 +18,8 @@ from .loader import *
 from .distributed import *
 from .data import *
 from .training import *
+from .optimizer import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training
-__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training) for n in m.__all__]
+from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training, optimizer
+__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training, optimizer) for n in m.__all__]

@@ -146,10 +146,12 @@ def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='
     "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
     from fastai.vision.all import vision_learner, accuracy, Resize, Normalize, imagenet_stats, models
     from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.optimizer import ForeachAdam
     if path is None: path = make_image_folder(scratch_dir()/'photos', n_train=n_train, n_valid=n_valid)
     dls = DaliDataLoaders.from_folder(path, item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=bs, device=device)
-    learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy)
+    # fastai's Adam on torch's foreach kernels: the same parameters, 1.4-1.6x the training img/s on the H200 (04c_optimizer)
+    learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy, opt_func=ForeachAdam)
     timer = _train_timer(warmup)
     t0 = time.perf_counter()
     learn.fit_one_cycle(epochs, 1e-3, cbs=timer)
