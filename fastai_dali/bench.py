@@ -403,10 +403,10 @@ def trace_summary(events, bs):
             'sync_calls': sorted({e['name'] for e in syncs}),
             'cpu_ms_per_batch': {'fastai batch': per(batches), 'between batches (loader, callbacks)': per(between)}}
 
-def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None):
+def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None, opt_func=None):
     "Profile `n` training batches of `learn.fit` (after `start`) with torch.profiler, CUDA kernels of the whole process (DALI's too) included: `trace_summary`; the chrome trace to `fname` (.json.gz)"
     from torch.profiler import profile, ProfilerActivity
-    learn = bench_learner(dls, arch, n_out, bf16, channels_last, model)
+    learn = bench_learner(dls, arch, n_out, bf16, channels_last, model, opt_func=opt_func)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=acts)
     with learn.no_bar(), learn.no_logging(): learn.fit(1 + (start+n)//max(1, len(dls.train)), 1e-3, cbs=[_TraceBatches(prof, start, n), *cbs])
@@ -672,11 +672,13 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
         for a in archs:
             arch = getattr(models, a)
             sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
-            for k,(d,cbs) in {'DaliDataLoaders': (dls, []), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()]),
-                              'model only': (DataLoaders(sdl, sdl), []),
-                              'model only, DeviceLossCallback': (DataLoaders(sdl, sdl), [DeviceLossCallback()])}.items():
+            syn = DataLoaders(sdl, sdl)
+            for k,(d,cbs,of) in {'DaliDataLoaders': (dls, [], None), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()], None),
+                                 'model only': (syn, [], None), 'model only, DeviceLossCallback': (syn, [DeviceLossCallback()], None),
+                                 _FAST: (dls, [DeviceLossCallback()], ForeachAdam),
+                                 'model only, ForeachAdam, DeviceLossCallback': (syn, [DeviceLossCallback()], ForeachAdam)}.items():
                 fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
-                tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname)
+                tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname, opt_func=of)
                 print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
     res['targets'] = throughput_targets(res, gpu, W)
     show_markdown(goals_markdown(res))
