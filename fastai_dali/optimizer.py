@@ -72,8 +72,9 @@ def _adam(self:ForeachOptimizer, hyper, ps, states):
     bufs = [self._buf(p) for p in ps]
     torch._foreach_copy_(bufs, sas)
     steps = [s['step'] for s in states]
-    for step in sorted(set(steps)):  # one set of bias corrections per step count (tensors unfrozen later have fewer)
-        k = [i for i,n in enumerate(steps) if n == step] if len(set(steps)) > 1 else range(len(ps))
+    counts = sorted(set(steps))  # one set of bias corrections per step count (tensors unfrozen later have fewer)
+    for step in counts:
+        k = range(len(ps)) if len(counts) == 1 else [i for i,n in enumerate(steps) if n == step]
         b,g,q = [bufs[i] for i in k],[gas[i] for i in k],[ps[i] for i in k]
         torch._foreach_div_(b, debias(sqr_mom, 1-sqr_mom, step))
         torch._foreach_sqrt_(b)

@@ -86,6 +86,7 @@ class EpochSource(_PickledInFile):
     "Per-batch `external_source` callback: the batch's encoded images (`pack_bytes`), their lengths and their items' indices"
     def __init__(self, src:PythonSource, n_serve:int, bs:int, order=None, seed:int=0, flag:EpochFlag=None):
         store_attr(); self._epoch,self._perm = None,None
+        if order is not None: self.order = np.asarray(order, dtype=np.int64)  # once: `items` indexes it every batch
     def _order(self, epoch):
         if self.order is not None: return self.order
         if self._epoch != epoch: self._epoch,self._perm = epoch,np.random.default_rng((self.seed, epoch)).permutation(len(self.src))
@@ -95,8 +96,8 @@ class EpochSource(_PickledInFile):
         start = bi.iteration*self.bs
         if start >= self.n_serve: raise StopIteration
         if self.flag is not None and bi.epoch_idx <= self.flag.get(): raise StopIteration  # an abandoned epoch
-        o = np.asarray(self._order(bi.epoch_idx), dtype=np.int64)
-        return o[np.minimum(np.arange(start, min(start+self.bs, self.n_serve)), len(o)-1)]
+        o = self._order(bi.epoch_idx)
+        return o[np.minimum(np.arange(start, min(start+self.bs, self.n_serve)), len(o)-1)].astype(np.int64)
     def __call__(self, bi):
         idx = self.items(bi)
         return *pack_bytes([self.src[int(i)] for i in idx]),idx
