@@ -25,7 +25,7 @@ from fastai.vision.all import (ImageDataLoaders, DataBlock, ImageBlock, Category
 from fastai_dali.data import DaliDataLoaders   # also patches `DataBlock.dali_dataloaders`
 from fastai_dali.loader import DaliDL, DaliReadError
 
-from conftest import CLASSES, make_image_folder, save_jpeg
+from conftest import CLASSES, gpu_keeps, make_image_folder, save_jpeg
 
 DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')   # as in test_parity.py
 N_TRAIN, N_VALID, BS = 24, 12, 5                            # 36 images: len(dl)s with remainders for every split
@@ -132,7 +132,9 @@ def _case(name, root, fnames, df):
 FACTORY_CASES = ['path_func', 'name_func', 'name_func_bool', 'path_re', 'name_re', 'df_pct', 'df_valid_col',
                  'df_folder_suff', 'csv', 'lists', 'lists_multi', 'lists_float']
 
-@pytest.mark.parametrize('name', FACTORY_CASES)
+# on the GPU: a category, a boolean, a data frame with its own valid batch size, multi-hot and float targets
+@pytest.mark.parametrize('name', gpu_keeps(FACTORY_CASES, 'path_func', 'name_func_bool', 'df_valid_col', 'lists_multi',
+                                           'lists_float'))
 def test_factory_parity(root, fnames, df, name):
     factory,args,kwargs = _case(name, root, fnames, df)
     dd,fd = both(factory, *args, **kwargs)
@@ -163,8 +165,10 @@ def _dblock(kind, root):
         return DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=ColReader('fname', pref=f'{root}{os.sep}'),
                          get_y=ColReader('label'), splitter=ColSplitter('is_valid'), item_tfms=TFM)
 
-@pytest.mark.parametrize('how', ['from_dblock', 'method'])
-@pytest.mark.parametrize('kind', ['grandparent', 'random_name', 'df_cols'])
+# on the GPU: a folder through `from_dblock`, a data frame through the DataBlock's method
+@pytest.mark.parametrize('kind,how', gpu_keeps([(k, h) for k in ('grandparent', 'random_name', 'df_cols')
+                                                for h in ('from_dblock', 'method')],
+                                               ('grandparent', 'from_dblock'), ('df_cols', 'method')))
 def test_dblock_parity(root, df, kind, how):
     dblock,source = _dblock(kind, root),(df if kind == 'df_cols' else root)
     kw = dict(bs=BS, path=root)
