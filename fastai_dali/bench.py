@@ -110,8 +110,11 @@ def show_markdown(md):
     else: print('\n' + md, flush=True)  # on a line of its own, after a progress bar
 
 def _clip(s, n):
-    "`s`, or its head and tail with '…' between where it is longer than `n` (the loaders' names differ at the end)"
-    return s if len(s) <= n else s[:n-1-n*2//5] + '…' + s[-(n*2//5):]
+    "`s`, or where it is longer than `n` what is timed (up to ': ', whole) and the name's head and tail with '…' between (the loaders' names differ at the end)"
+    if len(s) <= n: return s
+    head,name = (s.split(': ', 1)[0] + ': ', s.split(': ', 1)[1]) if ': ' in s else ('', s)
+    m = max(n - len(head), 12)
+    return head + (name if len(name) <= m else name[:m-1-m*2//5] + '…' + name[-(m*2//5):])
 
 def _labelled_bar(items, comments, end=''):
     "Iterate `items` under fastprogress' `progress_bar`, its comment `comments[i]` while item `i` runs, `end` after the last"

@@ -130,18 +130,18 @@ def build_at_once(*dls, timeout=300):
 
 # The GPU suite runs in 4 processes, a test file each at a time (pytest-xdist `--dist loadfile`), and lasts as long as
 # its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
-# (H200, run 13 of 2026-12-02, less what was cut since: test_lifecycle 186, test_parity 128, test_user_commands ~115,
-# test_abandoned_epochs 114, test_factories ~90, test_augment 74, test_bench_cli 69, test_item_order 63,
-# test_exactly_once ~60, test_mixed 54, test_bad_input ~50, ...), so that no long file starts last. pytest-xdist itself
+# (H200, run 14 of 2026-12-02, less what was cut since: test_lifecycle ~131, test_abandoned_epochs 103, test_parity ~91,
+# test_factories 74, test_user_commands ~74, test_item_order 71, test_augment 69, test_exactly_once 67, test_bad_input 63,
+# test_optimizer 50, ...), so that no long file starts last. pytest-xdist itself
 # hands out the files with the most tests first, whatever their length: in three runs that did so, `test_exactly_once.py`
 # (one test) began when 94% of the tests were done and missed the 480 s limit. So its reordering is off
 # (`--no-loadscope-reorder`, set here) and the collection order below decides. Within a file the order stays. A process
 # starts a test only once it holds the next one too (fixtures are torn down by what comes next), so the process given a
 # one-test file gets a second file at once.
-LONGEST_FIRST = ('test_lifecycle.py', 'test_parity.py', 'test_user_commands.py', 'test_abandoned_epochs.py',
-                 'test_factories.py', 'test_augment.py', 'test_bench_cli.py', 'test_item_order.py', 'test_exactly_once.py',
-                 'test_mixed.py', 'test_bad_input.py', 'test_several_gpus_tutorial.py', 'test_resize_window.py',
-                 'test_optimizer.py', 'test_training.py', 'test_segmentation.py')
+LONGEST_FIRST = ('test_lifecycle.py', 'test_abandoned_epochs.py', 'test_parity.py', 'test_factories.py',
+                 'test_user_commands.py', 'test_item_order.py', 'test_augment.py', 'test_exactly_once.py', 'test_bad_input.py',
+                 'test_optimizer.py', 'test_resize_window.py', 'test_training.py', 'test_mixed.py', 'test_segmentation.py',
+                 'test_bench_cli.py', 'test_several_gpus_tutorial.py')
 
 def pytest_configure(config):
     if hasattr(config.option, 'loadscopereorder'): config.option.loadscopereorder = False  # pytest-xdist's

@@ -6,6 +6,7 @@ trace runs in a subprocess and its output is read from there).
 import io, json, os, re, subprocess, sys, textwrap, types
 from pathlib import Path
 import pytest
+from conftest import DEVICE
 from fastai_dali.bench import (fit_workers, fastest_workers, throughput_targets, goals_markdown, show_markdown,
                                bench_loaders, fit_rounds, cli, _RAW)
 
@@ -97,6 +98,7 @@ def _two_cores():
     "A small machine: this process's first two cores (fastai's `defaults.cpus` counts the cores a process may run on)"
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
 
+@pytest.mark.skipif(DEVICE != 'cpu', reason='a 2-core machine without a GPU: CI runs this (the GPU suite: test_bench_command)')
 def test_bench_command_on_a_small_machine(tmp_path):
     """The command with its default worker counts, on the CPU of a 2-core machine (the CI machine is one; on a larger one
     the command runs on two of its cores): fitted counts, goals against the fastest as a table, labelled bars, nothing alarming"""

@@ -33,7 +33,7 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
 
 from conftest import make_image_folder, VALID0, make_id_folder, id_of, ids_of, IdNet, IdLoss
-from conftest import DEVICE, PRED_ATOL, plain, run_with_timeout
+from conftest import DEVICE, PRED_ATOL, gpu_keeps, plain, run_with_timeout
 from conftest import (N_VALID, BS, bytes_block, id_loaders, labels_of, check_batch, check_train_epoch,
                       check_valid_epoch, exc_text)
 
@@ -145,7 +145,8 @@ def _expect_boom(dl, func_name, timeout):
     assert not isinstance(ei.value, DaliReadError), type(ei.value)
     return got, ei.value
 
-@pytest.mark.parametrize('py_workers', [0, 2])
+# on the GPU in this process (the workers are CPU processes whichever device decodes, 12-25 s each to spawn there)
+@pytest.mark.parametrize('py_workers', gpu_keeps([0, 2], 0))
 def test_get_x_error_surfaces(id_root, py_workers):
     dls = bytes_block(get_x=boom_get_x).dali_dataloaders(id_root, bs=BS, device=DEVICE, py_workers=py_workers)
     timeout = 60 if py_workers == 0 else 240       # each pipeline build spawns the workers: 12..25 s here

@@ -100,6 +100,7 @@ def test_worker_callback_file_removed(loaders):
     del src; dd.valid._release(); gc.collect()    # (a later test using `loaders` would build it again)
     assert not os.path.exists(fn)
 
+@pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU loader's, CI runs this")
 def test_script_without_main_guard_told_why(tmp_path):
     "DALI's workers import the script ('spawn'): one that builds its loaders at the top level gets told what to do"
     import subprocess, sys, textwrap

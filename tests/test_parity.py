@@ -46,8 +46,8 @@ from fastai.vision.learner import _add_norm
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL, DaliReadError
 
-from conftest import (PARITY_STATS, CLASSES, DEVICE, PRED_ATOL, make_image_folder, random_crop, save_jpeg, plain, epoch,
-                      run_with_timeout)
+from conftest import (PARITY_STATS, CLASSES, DEVICE, PRED_ATOL, gpu_keeps, make_image_folder, random_crop, save_jpeg,
+                      plain, epoch, run_with_timeout)
 
 
 
@@ -81,7 +81,10 @@ def n_normalize(dl): return sum(isinstance(t, Normalize) for t in dl.after_batch
 # (n images per split, bs). bs > n_train makes an empty train loader (drop_last), as in fastai.
 CASES = [(5,1), (5,4), (5,7), (13,4), (13,7), (13,16), (30,1), (30,7), (30,16)]
 
-@pytest.mark.parametrize('n,bs', CASES)
+# on the GPU: an empty train loader (bs > n), a short last batch, a batch as large as the folder
+GPU_CASES = [(5,7), (13,4), (30,16)]
+
+@pytest.mark.parametrize('n,bs', gpu_keeps(CASES, *GPU_CASES))
 def test_items_labels_lengths(image_folder, n, bs):
     path = image_folder(n, n)
     dd,fd = both(path, item_tfms=Resize(32), bs=bs)
@@ -123,7 +126,7 @@ def _train_epochs_case(image_folder, n, bs):
         assert len({tuple(o) for o in epochs}) > 1, "every train epoch has the same order: no shuffle"
         assert set().union(*map(set, epochs)) == set(range(n)), "some train items are never served"
 
-@pytest.mark.parametrize('n,bs', CASES)
+@pytest.mark.parametrize('n,bs', gpu_keeps(CASES, *GPU_CASES))
 def test_train_epochs(image_folder, n, bs):
     _train_epochs_case(image_folder, n, bs)
 

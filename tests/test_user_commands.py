@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+import pytest
+from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,6 +144,7 @@ r = bench_loaders({'a': lambda: HeldByCycle(a.train), 'b': lambda: b.train}, max
 print(json.dumps({'timed': sorted(r), 'pid': os.getpid()}))
 '''
 
+@pytest.mark.skipif(DEVICE != 'cpu', reason="fastai's workers on the CPU, the cycle made explicitly (any Python): CI runs this")
 def test_bench_timing_leaves_no_worker_tracebacks(tmp_path):
     script,pids = tmp_path/'timing.py',tmp_path/'pids.txt'
     script.write_text(textwrap.dedent(_TIMING))
