@@ -442,7 +442,7 @@ def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs
     return root
 
 # %% ../nbs/07_bench.ipynb #c025
-SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-threads',
+SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
             'training-compile', 'trace', 'memory', 'resize', 'parity')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
@@ -627,8 +627,10 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     fit,fit_runs = {},{}
-    # fewer DALI threads when the training loop shares the cores (fastai's loop thread launches the model's kernels)
-    dls_nt = {t: DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)} if gpu and 'training-threads' in S else {}
+    # the loader's settings under the fast path: fewer DALI threads (fastai's loop thread, launching the model's kernels,
+    # shares the cores), a deeper prefetch queue (a batch ready longer before the loop asks for it)
+    dls_ld = ({**{f'num_threads={t}': DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)},
+               'prefetch=4': DaliDataLoaders.from_folder(root, **kw, prefetch=4)} if gpu and 'training-loader' in S else {})
     if gpu and 'training' in S and 'augment' not in S:  # training with fastbook's augmentation, as the augment section's loader
         dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35),
                                               batch_tfms=[*aug_transforms(), norm], bs=bs, device=device)
@@ -646,7 +648,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
                 _PLAIN_ADAMW: P(sdl, 'adamw'), _PLAIN_FUSED: P(sdl, 'adamw_fused'),
                 'plain PyTorch loop, DaliDataLoaders, fused AdamW': P(dls.train, 'adamw_fused'),
                 'model only, DeviceLossCallback': F(syn, loss=True), 'DaliDataLoaders, DeviceLossCallback': F(dls, loss=True),
-                **{f'DaliDataLoaders, DeviceLossCallback, num_threads={t}': F(d, loss=True) for t,d in dls_nt.items()},
+                **{f'{_FAST}, {s}': F(d, fast=True, loss=True) for s,d in dls_ld.items()},
                 'DaliDataLoaders, RandomResizedCrop + aug_transforms()': F(dls_rrc),
                 'model only, ForeachAdam, DeviceLossCallback': F(syn, fast=True, loss=True),
                 'DaliDataLoaders, ForeachAdam': F(dls, fast=True),

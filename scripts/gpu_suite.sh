@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU test suite on a machine with an NVIDIA GPU, once DALI, fastai and torch are installed into /tmp/site
 # (`pip install --target /tmp/site ...`; the package itself is imported from this source tree).
-# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | loaders | training | gpus | none;
+# Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | loaders | training | losses | gpus | none;
 # SKIP_SUITE=1 runs the extra alone;
 # PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
 # or DIST=worksteal: tests handed out one at a time;
@@ -58,11 +58,17 @@ loaders)  # the loader rows (throughput, augmentations, RandomResizedCrop's wind
     --sections throughput,augment --workers 16 --archs '' --repeats 5 --max-batches 50 \
     --out $OUT/loaders > $OUT/loaders.txt 2>&1; echo "rc $?" >> $OUT/loaders.txt
   rm -rf $OUT/loaders/data_*; tail -30 $OUT/loaders.txt ;;
-training)  # learn.fit with and without DeviceLossCallback, with fewer DALI threads, with augmentation (a warm-up epoch, then 3 interleaved rounds), its timeline (trace)
+training)  # learn.fit: the plain loop's ceilings, fastai's Adam and ForeachAdam, DeviceLossCallback, the bar, augmentation,
+  # the fast path with the loader's settings (threads, prefetch) and torch.compile (resnet18), each row one epoch per
+  # round (a warm-up epoch, then 2 interleaved rounds), then its timeline (trace)
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
-    --sections training,trace --workers 16 --archs resnet18,resnet50 --epochs 4 --repeats 3 --max-batches 50 \
-    --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
+    --sections training,training-loader,training-compile,trace --workers 16 --archs resnet18,resnet50 --epochs 3 \
+    --repeats 1 --max-batches 50 --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
   rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
+losses)  # bf16 first-epoch losses: fastai's Adam three times (its run-to-run noise) against ForeachAdam twice
+  timeout ${BENCH_TIMEOUT:-540} python3 scripts/optimizer_losses.py $OUT/losses --device cuda --n 4000 --arch resnet18 --bs 64 \
+    --size 128 --epochs 1 --runs 3 > $OUT/losses.txt 2>&1; echo "rc $?" >> $OUT/losses.txt
+  rm -rf $OUT/losses/data_*; tail -12 $OUT/losses.txt ;;
 gpus)  # several GPUs (the 2-GPU kind): `fastai-dali bench-gpus`, 1 GPU and every GPU, resnet50, DaliDataLoaders and ImageDataLoaders
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench-gpus --n 10000 \
     --arch resnet50 --epochs 2 --out $OUT/gpus > $OUT/gpus.txt 2>&1; echo "rc $?" >> $OUT/gpus.txt

@@ -52,3 +52,17 @@ def test_export_predict(root, tmp_path):
     learn2.dls = learn.dls   # trains on after loading, with its state created afresh
     with learn2.no_bar(), learn2.no_logging(): learn2.fit(1, 1e-4)
     assert isinstance(learn2.opt, ForeachOptimizer) and all(s.get('step') for s in learn2.opt.state_dict()['state'][-2:])
+
+@pytest.mark.skipif(DEVICE != 'cpu', reason='the script is the GPU measurement (bf16); here its fp32 check on the CPU backend')
+def test_losses_script_equal_on_the_cpu(tmp_path):
+    "`scripts/optimizer_losses.py` (fastai's Adam against itself and ForeachAdam, batch by batch): all equal in fp32 here"
+    import importlib.util, json
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location('optimizer_losses', Path(__file__).parents[1]/'scripts'/'optimizer_losses.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod.main([str(tmp_path), '--device', 'cpu', '--n', '40', '--bs', '8', '--size', '32', '--runs', '2'])
+    res = json.loads((tmp_path/'optimizer_losses.json').read_text())
+    assert res['settings']['batches'] == 4 and len(res['fastai'][0]['batch_losses']) == 4, res['settings']
+    assert res['gaps'] == {k: dict(max=0., mean=0., valid=0.) for k in ("fastai's Adam, run 2", 'ForeachAdam, run 1')}
+    assert res['within_noise'] and len({r['batch_losses'][0] for r in res['fastai'] + res['foreach']}) == 1
+    assert '| ForeachAdam, run 1 ' in (tmp_path/'optimizer_losses.md').read_text()
