@@ -345,22 +345,39 @@ def quiet_kineto():
 import gzip
 from fastai.callback.core import CancelFitException
 
+# a fastai batch's phases, each from its event (this callback last at every event) to the next: the host's time in the
+# model's forward launches, the loss, backward, the optimizer's step, and zero_grad with every after_batch callback
+# (the Recorder's, a host sync each batch without `DeviceLossCallback`); each includes the callbacks of the event ending it
+_PHASES = {'before_batch': 'forward', 'after_pred': 'loss', 'after_loss': 'backward', 'after_backward': 'optimizer step',
+           'after_step': 'zero_grad, after_batch callbacks'}
+
 class _TraceBatches(Callback):
-    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch, the time between two, and when the GPU finished the last"
+    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and its phases (`_PHASES`), the time between two, and when the GPU finished the last"
     order = 101  # after every other callback's `before_batch`, and last in `after_batch`
-    def __init__(self, prof, start, n): self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf = prof,start,n,0,None
-    def _mark(self, name):
-        if self.tr_rf is not None: self.tr_rf.__exit__(None, None, None)
-        self.tr_rf = None if name is None else torch.profiler.record_function(name)
-        if self.tr_rf is not None: self.tr_rf.__enter__()
+    def __init__(self, prof, start, n): self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf,self.tr_ph = prof,start,n,0,None,None
+    def _enter(self, attr, name):
+        "End the span in `attr`, start one named `name` (None: none)"
+        if (rf := getattr(self, attr)) is not None: rf.__exit__(None, None, None)
+        rf = None if name is None else torch.profiler.record_function(name)
+        if rf is not None: rf.__enter__()
+        setattr(self, attr, rf)
+    def _mark(self, name): self._enter('tr_rf', name)
+    def _in_window(self): return self.training and self.tr_start <= self.tr_i < self.tr_start+self.tr_n
+    def _phase(self, event):
+        if self._in_window(): self._enter('tr_ph', _PHASES[event])
     def before_batch(self):
         if not self.training: return
         if self.tr_i == self.tr_start:
             _sync()
             with quiet_kineto(): self.tr_prof.start()
-        if self.tr_start <= self.tr_i < self.tr_start+self.tr_n: self._mark('fastai batch')
+        if self._in_window(): self._mark('fastai batch'); self._phase('before_batch')
+    def after_pred(self): self._phase('after_pred')
+    def after_loss(self): self._phase('after_loss')
+    def after_backward(self): self._phase('after_backward')
+    def after_step(self): self._phase('after_step')
     def after_batch(self):
         if not self.training: return
+        if self._in_window(): self._enter('tr_ph', None)  # the phase ends inside its batch's span
         self.tr_i += 1
         if self.tr_i == self.tr_start+self.tr_n:  # a mark at the time the GPU has done the last batch: the window's end
             self._mark(None); _sync(); self._mark('GPU done'); self._mark(None)
@@ -404,7 +421,9 @@ def trace_summary(events, bs):
             'streams': sorted({e.get('args', {}).get('stream') for e in gpu} - {None}),
             'host_syncs_per_batch': len(syncs)/n, 'host_sync_ms_per_batch': per(syncs),
             'sync_calls': sorted({e['name'] for e in syncs}),
-            'cpu_ms_per_batch': {'fastai batch': per(batches), 'between batches (loader, callbacks)': per(between)}}
+            'cpu_ms_per_batch': {'fastai batch': per(batches),
+                                 **{p: per([e for e in marks if e['name'] == p]) for p in _PHASES.values()},
+                                 'between batches (loader, callbacks)': per(between)}}
 
 def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None, opt_func=None):
     "Profile `n` training batches of `learn.fit` (after `start`) with torch.profiler, CUDA kernels of the whole process (DALI's too) included: `trace_summary`; the chrome trace to `fname` (.json.gz)"
@@ -789,6 +808,11 @@ def _write_results(res, out, mem_epochs):
         md += [f"| {k} | {v['img_s']:,.0f} | {v['gpu_busy']:.2f} | {v['gpu_ms_per_batch']['dali']:.2f} | {v['gpu_ms_per_batch']['model and the rest']:.2f} "
                f"| {v['host_syncs_per_batch']:.1f} | {v['host_sync_ms_per_batch']:.2f} | {v['cpu_ms_per_batch']['fastai batch']:.2f} "
                f"| {v['cpu_ms_per_batch']['between batches (loader, callbacks)']:.2f} |" for k,v in res['fit_trace'].items() if v]
+        ph = [p for p in _PHASES.values() if any(p in v.get('cpu_ms_per_batch', {}) for v in res['fit_trace'].values())]
+        if ph:  # where the main thread's time goes (the host's launches and waits, not the GPU's work)
+            md += ['', '| run: main thread ms per batch | ' + ' | '.join(ph) + ' | between batches |', '|---|' + '---:|'*(len(ph)+1)]
+            md += [f"| {k} | " + ' | '.join(f"{v['cpu_ms_per_batch'].get(p, 0):.2f}" for p in ph)
+                   + f" | {v['cpu_ms_per_batch']['between batches (loader, callbacks)']:.2f} |" for k,v in res['fit_trace'].items() if v]
     md += ['', '### Goals', '', goals_markdown(res)]
     (out/'bench.md').write_text('\n'.join(md)+'\n')
     bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {s['bs']}, {s['size']} px")
