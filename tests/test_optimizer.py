@@ -9,10 +9,10 @@ convolutions are not deterministic), with a margin.
 """
 import pickle
 import pytest, torch
-from fastai.vision.all import vision_learner, resnet18, Resize, Adam, SGD, set_seed, load_learner, accuracy
+from fastai.vision.all import vision_learner, resnet18, Resize, Adam, RAdam, SGD, set_seed, load_learner, accuracy
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.demo import make_image_folder
-from fastai_dali.optimizer import ForeachAdam, ForeachSGD, ForeachOptimizer
+from fastai_dali.optimizer import ForeachAdam, ForeachRAdam, ForeachSGD, ForeachOptimizer
 from conftest import DEVICE
 
 @pytest.fixture(scope='module')
@@ -27,7 +27,9 @@ def fine_tuned(root, opt_func, **kw):
 
 def rel(a, b): return max(((p-q).abs().max()/q.abs().max().clamp_min(1e-12)).item() for p,q in zip(a, b))
 
-@pytest.mark.parametrize('ours,theirs', [(ForeachAdam, Adam), (ForeachSGD, SGD)], ids=['adam', 'sgd'])
+# RAdam: 12 steps an epoch here, so its momentum steps (r <= 5, the first 5) and rectified ones are both taken
+@pytest.mark.parametrize('ours,theirs', [(ForeachAdam, Adam), (ForeachSGD, SGD), (ForeachRAdam, RAdam)],
+                         ids=['adam', 'sgd', 'radam'])
 def test_fine_tune_as_fastai(root, ours, theirs):
     kw = dict(wd=0.1) if ours is ForeachSGD else {}
     learn,got = fine_tuned(root, ours, **kw)
