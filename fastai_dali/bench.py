@@ -279,12 +279,18 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
     epoch = torch_loop_epochs(dl, arch, n_out, bf16, channels_last, device)
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
+class _CudaGraphStep(Callback):
+    "Each training batch a new step of torch.compile's CUDA graphs (mode 'reduce-overhead'): fastai holds the last batch's `pred` until the next"
+    def before_batch(self): torch.compiler.cudagraph_mark_step_begin()
+
 def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None):
     """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
-    if given) one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training
-    img/s; the wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
+    if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (forward and backward replayed as CUDA graphs))
+    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s; the
+    wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),_TrainTimer()
     if compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
+    if compile == 'reduce-overhead': cbs = [*cbs, _CudaGraphStep()]
     def epoch():
         t0 = time.perf_counter()
         with (contextlib.nullcontext() if bar else learn.no_bar()), learn.no_logging(): learn.fit(1, 1e-3, cbs=[t, *cbs])
@@ -676,7 +682,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
         if 'training-compile' in S and a == archs[0]:  # the model `torch.compile`d (its first epoch, the compilation, timed apart)
             if why := res.setdefault('compile_error', compile_works(device)): print('torch.compile: not measured:', why, flush=True)
             else: rows.update({f'{_FAST}, torch.compile ({m})': F(dls, fast=True, loss=True, compile=m)
-                               for m in ('default', 'max-autotune-no-cudagraphs')})
+                               for m in ('default', 'max-autotune-no-cudagraphs', 'reduce-overhead')})
         # every row one epoch per round, interleaved (see `fit_rounds`)
         made = {}  # each row's epoch function, once made
         make = lambda k, r: lambda: made.setdefault(k, torch_loop_epochs(r['d'], arch, dls.c, device=device, opt=r['torch'])
