@@ -58,11 +58,11 @@ loaders)  # the loader rows (throughput, augmentations, RandomResizedCrop's wind
     --sections throughput,augment --workers 16 --archs '' --repeats 5 --max-batches 50 \
     --out $OUT/loaders > $OUT/loaders.txt 2>&1; echo "rc $?" >> $OUT/loaders.txt
   rm -rf $OUT/loaders/data_*; tail -30 $OUT/loaders.txt ;;
-training)  # learn.fit: the plain loop's ceilings, fastai's Adam and ForeachAdam, DeviceLossCallback, the bar, augmentation,
+training)  # (ARCHS=resnet18 for one arch) learn.fit: the plain loop's ceilings, fastai's Adam and ForeachAdam, DeviceLossCallback, the bar, augmentation,
   # the fast path with the loader's settings (threads, prefetch) and torch.compile (resnet18), each row one epoch per
   # round (a warm-up epoch, then 2 interleaved rounds), then its timeline (trace)
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
-    --sections training,training-loader,training-compile,trace --workers 16 --archs resnet18,resnet50 --epochs 3 \
+    --sections training,training-loader,training-compile,trace --workers 16 --archs ${ARCHS:-resnet18,resnet50} --epochs 3 \
     --repeats 1 --max-batches 50 --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
   rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
 losses)  # bf16 first-epoch losses: fastai's Adam three times (its run-to-run noise) against ForeachAdam twice
