@@ -113,7 +113,8 @@ def _clip(s, n):
     "`s`, or where it is longer than `n` what is timed (up to ': ', whole) and the name's head and tail with '…' between (the loaders' names differ at the end)"
     if len(s) <= n: return s
     head,name = (s.split(': ', 1)[0] + ': ', s.split(': ', 1)[1]) if ': ' in s else ('', s)
-    m = max(n - len(head), 12)
+    m = n - len(head)
+    if m < 8: head,name,m = '',s,n  # no room for a name after it: the whole comment clipped
     return head + (name if len(name) <= m else name[:m-1-m*2//5] + '…' + name[-(m*2//5):])
 
 def _labelled_bar(items, comments, end=''):
@@ -290,7 +291,11 @@ def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func
     wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),_TrainTimer()
     if compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
-    if compile == 'reduce-overhead': cbs = [*cbs, _CudaGraphStep()]
+    if compile == 'reduce-overhead':
+        cbs = [*cbs, _CudaGraphStep()]
+        # gradients allocated outside the graphs, before the first capture: fastai's `zero_grad` zeroes them in place, and
+        # backward adds into them; a gradient the first backward allocated would be the graph's memory, overwritten later
+        for q in learn.model.parameters(): q.grad = torch.zeros_like(q)
     def epoch():
         t0 = time.perf_counter()
         with (contextlib.nullcontext() if bar else learn.no_bar()), learn.no_logging(): learn.fit(1, 1e-3, cbs=[t, *cbs])
@@ -360,7 +365,8 @@ _PHASES = {'before_batch': 'forward', 'after_pred': 'loss', 'after_loss': 'backw
 class _TraceBatches(Callback):
     "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and its phases (`_PHASES`), the time between two, and when the GPU finished the last"
     order = 101  # after every other callback's `before_batch`, and last in `after_batch`
-    def __init__(self, prof, start, n): self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf,self.tr_ph = prof,start,n,0,None,None
+    def __init__(self, prof, start, n):
+        self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf,self.tr_ph,self.tr_on = prof,start,n,0,None,None,False
     def _enter(self, attr, name):
         "End the span in `attr`, start one named `name` (None: none)"
         if (rf := getattr(self, attr)) is not None: rf.__exit__(None, None, None)
@@ -373,9 +379,10 @@ class _TraceBatches(Callback):
         if self._in_window(): self._enter('tr_ph', _PHASES[event])
     def before_batch(self):
         if not self.training: return
-        if self.tr_i == self.tr_start:
+        if self.tr_i >= self.tr_start and not self.tr_on:  # (`>=`: a batch another callback cancelled is not counted)
             _sync()
             with quiet_kineto(): self.tr_prof.start()
+            self.tr_on = True
         if self._in_window(): self._mark('fastai batch'); self._phase('before_batch')
     def after_pred(self): self._phase('after_pred')
     def after_loss(self): self._phase('after_loss')
@@ -387,10 +394,17 @@ class _TraceBatches(Callback):
         self.tr_i += 1
         if self.tr_i == self.tr_start+self.tr_n:  # a mark at the time the GPU has done the last batch: the window's end
             self._mark(None); _sync(); self._mark('GPU done'); self._mark(None)
-            with quiet_kineto(): self.tr_prof.stop()
+            self._stop()
             raise CancelFitException()
         if self.tr_i > self.tr_start: self._mark('between batches (loader, callbacks)')
     def before_validate(self): raise CancelValidException()  # (an epoch shorter than the window: training batches only)
+    def _stop(self):
+        "Close the open spans and stop the profiler, once"
+        self._enter('tr_ph', None); self._enter('tr_rf', None)
+        if self.tr_on:
+            with quiet_kineto(): self.tr_prof.stop()
+            self.tr_on = False
+    def after_fit(self): self._stop()  # a fit that ended (or failed) inside the window leaves no span open, no profiler running
 
 _SYNCS = ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize', 'cudaMemcpy', 'cuStreamSynchronize',
           'cuCtxSynchronize', 'cuEventSynchronize', 'cuMemcpyDtoH_v2')
@@ -655,7 +669,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     # the loader's settings under the fast path: fewer DALI threads (fastai's loop thread, launching the model's kernels,
     # shares the cores), a deeper prefetch queue (a batch ready longer before the loop asks for it)
     dls_ld = ({**{f'num_threads={t}': DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)},
-               'prefetch=4': DaliDataLoaders.from_folder(root, **kw, prefetch=4)} if gpu and 'training-loader' in S else {})
+               'prefetch=4': DaliDataLoaders.from_folder(root, **kw, prefetch=4)} if gpu and {'training', 'training-loader'} <= S else {})
     if gpu and 'training' in S and 'augment' not in S:  # training with fastbook's augmentation, as the augment section's loader
         dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35),
                                               batch_tfms=[*aug_transforms(), norm], bs=bs, device=device)

@@ -2,7 +2,7 @@
 decodes it, or rejected with an error that names the file; never a hang, never a wrong label.
 
 Each case writes one file (generated with PIL/numpy from scikit-image photos, under pytest's tmp dir) into the
-valid set of a small 2-class folder, then compares the `DaliDataLoaders` valid batch with fastai's own
+valid set of a small 2-class folder (the decoded formats: all of them into one folder, each file compared), then compares the `DaliDataLoaders` valid batch with fastai's own
 `ImageDataLoaders` on the same folder and transforms.
 
 Measured |DALI - fastai| on the case image, 0..255 units, DALI 2.4 CPU backend vs fastai 2.8.7 / Pillow 13:
@@ -161,7 +161,8 @@ def test_decoded_as_fastai(tmp_path, img_cls):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # GIF and 16-bit PNG: "decoded by PIL" (checked below)
         dd,fd = both(root, item_tfms=Resize((H,W), method='squish'), img_cls=img_cls)
-        diffs = dict(zip(DECODED, cases_diff(dd, fd, files).values()))
+        by_file = cases_diff(dd, fd, files)
+        diffs = {c: by_file[f] for c,f in zip(DECODED, files)}
     tol = DECODE_TOL if img_cls is PILImage else DECODE_TOL_L
     assert {c: d for c,d in diffs.items() if d[0] > tol[0] or d[1] > tol[1]} == {}, (tol, diffs)
 
