@@ -112,7 +112,8 @@ def show_markdown(md):
 def _clip(s, n):
     "`s`, or where it is longer than `n` what is timed (up to ': ', whole) and the name's head and tail with '…' between (the loaders' names differ at the end)"
     if len(s) <= n: return s
-    head,name = (s.split(': ', 1)[0] + ': ', s.split(': ', 1)[1]) if ': ' in s else ('', s)
+    head,sep,name = s.partition(': ')
+    head,name = (head + sep, name) if sep else ('', s)
     m = n - len(head)
     if m < 8: head,name,m = '',s,n  # no room for a name after it: the whole comment clipped
     return head + (name if len(name) <= m else name[:m-1-m*2//5] + '…' + name[-(m*2//5):])

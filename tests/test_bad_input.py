@@ -2,8 +2,8 @@
 decodes it, or rejected with an error that names the file; never a hang, never a wrong label.
 
 Each case writes one file (generated with PIL/numpy from scikit-image photos, under pytest's tmp dir) into the
-valid set of a small 2-class folder (the decoded formats: all of them into one folder, each file compared), then compares the `DaliDataLoaders` valid batch with fastai's own
-`ImageDataLoaders` on the same folder and transforms.
+valid set of a small 2-class folder (the decoded formats all into one folder, each file compared), then compares the
+`DaliDataLoaders` valid batches with fastai's own `ImageDataLoaders` on the same folder and transforms.
 
 Measured |DALI - fastai| on the case image, 0..255 units, DALI 2.4 CPU backend vs fastai 2.8.7 / Pillow 13:
 
@@ -144,7 +144,8 @@ def cases_diff(dd, fd, files):
     fx,fy = cat(epoch(fd.valid))
     assert torch.equal(dy, fy)
     d,items = levels(dx, fx),list(dd.valid.items)
-    return {f: log_diff(d[items.index(f)].max().item(), d[items.index(f)].mean().item(), f) for f in files}
+    at = lambda f: d[items.index(f)]
+    return {f: log_diff(at(f).max().item(), at(f).mean().item(), f) for f in files}
 
 def case_diff(dd, fd, f):
     "(max, mean) |d| on the image of file `f`, 0..255 units, after checking items and labels are fastai's"

@@ -81,7 +81,7 @@ def n_normalize(dl): return sum(isinstance(t, Normalize) for t in dl.after_batch
 # (n images per split, bs). bs > n_train makes an empty train loader (drop_last), as in fastai.
 CASES = [(5,1), (5,4), (5,7), (13,4), (13,7), (13,16), (30,1), (30,7), (30,16)]
 
-# on the GPU: an empty train loader (bs > n), a short last batch, batches of 16 (two train batches of 30, one dropped)
+# on the GPU: an empty train loader (bs > n), a short last batch, bs 16 of 30 (one train batch, 14 left by drop_last)
 GPU_CASES = [(5,7), (13,4), (30,16)]
 
 @pytest.mark.parametrize('n,bs', gpu_keeps(CASES, *GPU_CASES))
