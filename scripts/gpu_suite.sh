@@ -59,15 +59,15 @@ loaders)  # the loader rows (throughput, augmentations, RandomResizedCrop's wind
     --out $OUT/loaders > $OUT/loaders.txt 2>&1; echo "rc $?" >> $OUT/loaders.txt
   rm -rf $OUT/loaders/data_*; tail -30 $OUT/loaders.txt ;;
 training)  # (ARCHS=resnet18 for one arch) learn.fit: the plain loop's ceilings, fastai's Adam and ForeachAdam, DeviceLossCallback, the bar, augmentation,
-  # the fast path with the loader's settings (threads, prefetch) and torch.compile (resnet18), each row one epoch per
+  # the fast path with the loader's settings (threads, prefetch), torch.compile and CUDA graphs (CudaGraphCallback), each row one epoch per
   # round (a warm-up epoch, then 2 interleaved rounds), then its timeline (trace)
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench --n 10000 --device cuda \
-    --sections training,training-loader,training-compile,trace --workers 16 --archs ${ARCHS:-resnet18,resnet50} --epochs 3 \
+    --sections ${SECTIONS:-training,training-loader,training-compile,trace} --workers 16 --archs ${ARCHS:-resnet18,resnet50} --epochs 3 \
     --repeats 1 --max-batches 50 --out $OUT/training > $OUT/training.txt 2>&1; echo "rc $?" >> $OUT/training.txt
   rm -rf $OUT/training/data_*; tail -40 $OUT/training.txt ;;
-losses)  # bf16 first-epoch losses: fastai's Adam three times (its run-to-run noise) against ForeachAdam twice
+losses)  # bf16 first-epoch losses: fastai's Adam three times (its run-to-run noise) against ForeachAdam twice, with CudaGraphCallback twice, and fastai in fp32 once
   timeout ${BENCH_TIMEOUT:-540} python3 scripts/optimizer_losses.py $OUT/losses --device cuda --n 4000 --arch resnet18 --bs 64 \
-    --size 128 --epochs 1 --runs 3 > $OUT/losses.txt 2>&1; echo "rc $?" >> $OUT/losses.txt
+    --size 128 --epochs 1 --runs 3 --graphs > $OUT/losses.txt 2>&1; echo "rc $?" >> $OUT/losses.txt
   rm -rf $OUT/losses/data_*; tail -12 $OUT/losses.txt ;;
 gpus)  # several GPUs (the 2-GPU kind): `fastai-dali bench-gpus`, 1 GPU and every GPU, resnet50, DaliDataLoaders and ImageDataLoaders
   timeout ${BENCH_TIMEOUT:-540} python3 -c "import sys; from fastai_dali.bench import cli; sys.exit(cli())" bench-gpus --n 10000 \
