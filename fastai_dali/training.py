@@ -122,30 +122,42 @@ class DeviceLossCallback(Callback):
 # %% ../nbs/04b_training.ipynb #c010
 class CudaGraphCallback(Callback):
     "Training batches' forward and backward compiled by `torch.compile` (mode 'reduce-overhead') and replayed as CUDA graphs (opt-in)"
+    order = 12  # after fastai's `DistributedTrainer` (11): the module it wraps is the one compiled, and put back
     _stateattrs = ('graphs',)  # a compiled module is not pickled with the learner (`learn.export`)
     def __init__(self): super().__init__(); self._init_state()  # (no options)
     def _init_state(self):
         super()._init_state()
         self.graphs,self.eager = None,None  # the compiled module, and the model it compiles
-        self.on,self.first = False,False    # this fit replays graphs; its first training batch is still to come
+        self.on,self.told = False,False     # this fit replays graphs; it said why its batches run without them
 
     def before_fit(self):
-        m = self.learn.model
-        if m is self.graphs: m = self.learn.model = self.eager  # a fit that ended in an error left the compiled module
+        learn,m = self.learn,self.learn.model
         p = next(m.parameters(), None)
-        self.on = self.first = p is not None and p.device.type == 'cuda'
+        self.on,self.told = p is not None and p.device.type == 'cuda',False
         if not self.on:
             warnings.warn(f"CudaGraphCallback: the model is on {p.device if p is not None else 'no device'}; CUDA graphs need "
                           "a CUDA device, so this fit trains the model as it is"); return
         if self.eager is not m: self.graphs,self.eager = torch.compile(m, mode='reduce-overhead'),m
+        def all_batches():  # fastai's, then the model itself again however the phase ends (cancelled, an error, an interrupt)
+            try: type(learn).all_batches(learn)
+            finally:
+                if learn.model is self.graphs: learn.model = self.eager
+        learn.all_batches = all_batches  # (this fit's: taken away in `after_fit`)
 
     def before_batch(self):
         if not (self.on and self.training): return
-        # the fit's first batch runs the model as it is (autograd allocates the gradients), every later one the graphs' next step
-        self.learn.model = self.eager if self.first else self.graphs
-        self.first = False
+        # the graphs only once every trainable parameter has its gradient: autograd allocates them outside the graphs'
+        # memory, and the graphs add into them in place (one they allocated would be overwritten at their next replay)
+        ready = all(q.grad is not None for q in self.eager.parameters() if q.requires_grad)
+        self.learn.model = self.graphs if ready else self.eager
+        if not ready and self.iter >= 2 and not self.told:
+            self.told = True
+            warnings.warn("CudaGraphCallback: a trainable parameter still has no gradient after 2 batches (unused, or its "
+                          "gradient set to None each step), so these batches run without CUDA graphs")
         torch.compiler.cudagraph_mark_step_begin()
-    def after_train(self):
-        if self.on: self.learn.model = self.eager
-    after_fit = after_train
+
+    def after_fit(self):
+        if not self.on: return
+        if self.learn.model is self.graphs: self.learn.model = self.eager
+        vars(self.learn).pop('all_batches', None)
 
