@@ -102,12 +102,12 @@ def small_cnn(n_out):
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Linear(8, n_out))
 
-def graphs_run(root, lr, graphs, cbs=()):
+def graphs_run(root, lr, graphs):
     "3 epochs of `fit` (fp32, ForeachAdam, DeviceLossCallback; with `CudaGraphCallback` if `graphs`): records, predictions, weights"
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(8), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=6,
                                       device=DEVICE, shuffle=False)
-    cb = CudaGraphCallback()
-    learn = Learner(dls, small_cnn(dls.c).cuda(), lr=lr, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), *([cb] if graphs else []), *cbs])
+    cb = CudaGraphCallback() if graphs else None
+    learn = Learner(dls, small_cnn(dls.c).cuda(), lr=lr, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), *([cb] if graphs else [])])
     model = learn.model
     with learn.no_bar(): learn.fit(3)
     assert learn.model is model  # the model itself again after the fit, for `get_preds`, `save`, `export`
