@@ -1,7 +1,9 @@
 """How far apart fits of the GPU suite's small CNN land (`tests/test_training.py`'s `graphs_run`): the model itself twice,
-compiled without graphs twice, as CUDA graphs twice, graphed with lr 0 once; with inductor choosing its kernels' configs
-by timing them (its default) and without (`torch._inductor.config.deterministic`). The CUDA-graph test's tolerances come
-from these distances. Usage (GPU): python scripts/graphs_spread.py OUT.json"""
+compiled without graphs twice, as CUDA graphs twice, graphed with lr 0 once (the control); with inductor choosing its
+kernels' configs by timing them (its default) and without (`torch._inductor.config.deterministic`). Each distance is
+the largest |difference| of the batch losses, the valid records, the predictions and the weights. The CUDA-graph
+test's tolerances come from these (H200: docs/results/gpu_suite/h200_graphs_spread.json).
+Usage (GPU): python scripts/graphs_spread.py OUT.json"""
 import sys, os, json, tempfile
 from pathlib import Path
 sys.path.insert(0, 'tests')

@@ -12,7 +12,6 @@
 """
 import warnings
 import pytest, torch
-import torch._inductor.config  # (the CUDA-graph test sets its deterministic mode)
 from torch import nn
 import fastai.learner
 from fastai.vision.all import Learner, Callback, Resize, Normalize, imagenet_stats
@@ -113,33 +112,35 @@ def graphs_run(root, lr, graphs):
     with learn.no_bar(): learn.fit(3)
     assert learn.model is model  # the model itself again after the fit, for `get_preds`, `save`, `export`
     if graphs: assert cb.graphs is not None and cb.graphs is not model
+    r = learn.recorder  # (read before `get_preds`: fastai's `validation_context` runs `before_fit`, which empties the records)
+    assert len(r.losses) == 3*len(dls.train) and len(r.values) == 3, (len(r.losses), len(r.values))  # every record, or the comparisons see none
+    losses,values = torch.tensor([float(l) for l in r.losses]),torch.tensor(r.values)
     preds,_ = learn.get_preds()
-    r = learn.recorder
-    assert len(r.losses) == 3*len(dls.train), len(r.losses)  # every training batch's record, or the comparisons see none
-    return learn, torch.tensor([float(l) for l in r.losses]), torch.tensor(r.values), preds.cpu(), torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+    return learn, losses, values, preds.cpu(), torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
 
 @pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU case is in nbs/04b_training.ipynb)')
 def test_cuda_graphs_train_as_the_compiled_model(id_root, tmp_path, monkeypatch):
     """fastai's `fit` with training batches replayed as CUDA graphs: the records, predictions and weights of the same
-    compiled model run without graphs (mode 'default': the same kernels, launched one by one); and close to the model
-    itself (compiled kernels sum in other orders, and BatchNorm after a convolution cancels its gradients nearly
-    exactly, so Adam turns their rounding into steps: ~1e-3 apart after 21 steps, measured on the CPU)"""
+    compiled model run without graphs (mode 'default', its kernels launched one by one), no farther from it than
+    compiling moves the model itself, and a control that trains nothing far outside. Measured on the H200
+    (`scripts/graphs_spread.py`, docs/results/gpu_suite/h200_graphs_spread.json): each kind of run repeats itself
+    exactly; compiled vs the model itself 2.4e-7 (batch losses), 5.0e-5 (valid loss), 5.2e-5 (predictions), 2.7e-4
+    (weights: BatchNorm after a convolution cancels its gradients nearly exactly, and Adam turns their rounding into
+    steps); graphed vs compiled 2.4e-7, 4.3e-5, 7.4e-5, 4.3e-4 (mode 'reduce-overhead' does not launch the very same
+    kernels; inductor's deterministic mode changes none of these); the control 0.08, 0.78, 0.59, 0.14"""
     monkeypatch.setattr(torch.backends.cudnn, 'deterministic', True)
-    # inductor picks a reduction's config by timing the candidates, and each config sums in its own order: the likely
-    # reason the two compiles ended ~3e-5 apart on the H200 while each repeated itself exactly (`scripts/graphs_spread.py`)
-    monkeypatch.setattr(torch._inductor.config, 'deterministic', True)
     eager = graphs_run(id_root, 1e-2, False)
     compile = torch.compile
     with monkeypatch.context() as m:
         m.setattr(torch, 'compile', lambda model, mode=None, **kw: compile(model, mode='default', **kw))
         launched = graphs_run(id_root, 1e-2, True)
     graphed = graphs_run(id_root, 1e-2, True)
-    for a,b in zip(graphed[1:], launched[1:]): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a,b in zip(graphed[1:4], eager[1:4]): torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
-    # control: a replay that trained nothing (stale weights, lost steps) fails the first comparison
+    tols = (1e-5, 1e-3, 1e-3, 5e-3)  # losses, valid records, predictions, weights: ~10x compile's own distance above
+    for a,b,t in zip(graphed[1:], launched[1:], tols): torch.testing.assert_close(a, b, rtol=0, atol=t)
+    for a,b,t in zip(graphed[1:], eager[1:], tols): torch.testing.assert_close(a, b, rtol=0, atol=t)
+    # control: a replay that trained nothing (stale weights, lost steps) fails the same comparisons
     frozen = graphs_run(id_root, 0., True)
-    assert not torch.allclose(frozen[4], launched[4], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(frozen[1], launched[1], rtol=1e-5, atol=1e-6)
+    for i in (1, 2, 4): assert not torch.allclose(frozen[i], launched[i], rtol=0, atol=tols[i-1])
     # the learner exports and predicts as fastai's (no compiled module in it)
     graphed[0].export(tmp_path/'graphs.pkl')
     from fastai.learner import load_learner
