@@ -10,10 +10,12 @@ from .core import *
 from .transforms import *
 from .augment import *
 from .pipeline import *
+from .lifetime import *
 from .formats import *
 from .errors import *
 from .items import *
 from .sources import *
+from .feed import *
 from .loader import *
 from .distributed import *
 from .data import *
@@ -21,5 +23,5 @@ from .training import *
 from .optimizer import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training, optimizer
-__all__ = [n for m in (core, transforms, augment, pipeline, formats, errors, items, sources, loader, distributed, data, training, optimizer) for n in m.__all__]
+from . import core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, feed, loader, distributed, data, training, optimizer
+__all__ = [n for m in (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, feed, loader, distributed, data, training, optimizer) for n in m.__all__]

@@ -12,7 +12,7 @@ from fastai.vision.augment import (FlipItem, DihedralItem, RandomResizedCrop, Ra
     AffineCoordTfm, LightingTfm, HSVTfm, RandomErasing, flip_mat, rotate_mat, zoom_mat, dihedral_mat, _WarpCoord,
     _BrightnessLogit, _ContrastLogit, _SaturationLogit, _Hue)
 from .transforms import *
-from .transforms import _np_crop_pad, _f32
+from .transforms import np_crop_pad
 from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
@@ -62,8 +62,6 @@ class DihedralParams:
         return [m for m,_ in res], [np.array(sz, dtype=np.float32) for _,sz in res]
 
 # %% ../nbs/01b_augment.ipynb #c011
-def _interp_mode(g): return types.INTERP_NN if g.is_mask else types.INTERP_LINEAR
-
 @dali_item_tfm(DihedralItem)
 def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
@@ -120,7 +118,7 @@ class NpCropPad:
     def __init__(self, size, mode): store_attr()
     def __call__(self, a):
         (w,h),(H,W) = self.size,a.shape[:2]
-        return _np_crop_pad(a, ((H-h)//2, (W-w)//2, h, w), mode=self.mode)
+        return np_crop_pad(a, ((H-h)//2, (W-w)//2, h, w), mode=self.mode)
 
 def _croppad_python(tfm): return tfm.pad_mode != PadMode.Zeros
 

@@ -8,8 +8,9 @@ from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .core import *
-from .pipeline import track_pipeline
-from .demo import _sync, _photos, gpu_memory_mb, time_loader, epoch_timeline, make_image_folder
+from .lifetime import track_pipeline
+import fastai.callback.progress  # `Learner.no_bar`
+from .demo import cuda_sync, gpu_memory_mb, time_loader, epoch_timeline, train_timer, make_bench_dataset
 from fastcore.basics import noop
 _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.demo`; the benchmark's names include it
 
@@ -19,9 +20,8 @@ __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader
            'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner',
            'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
            'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace',
-           'memory_over_epochs', 'make_bench_dataset', 'fastest_workers', 'augment_steps', 'pixel_parity',
-           'mixed_workers', 'epochs_markdown', 'run_bench', 'throughput_targets', 'goals_markdown', 'cli',
-           'gpu_memory_mb', 'time_loader']
+           'memory_over_epochs', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown',
+           'run_bench', 'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -204,16 +204,6 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.vision.learner import create_vision_model
 from .training import CudaGraphCallback
 
-class _TrainTimer(Callback):
-    "Training img/s of every epoch (`runs`); validation skipped"
-    order = 100
-    def before_fit(self): self.runs = []
-    def before_train(self): _sync(); self.t0,self.n = time.perf_counter(),0
-    def after_batch(self):
-        if self.training: self.n += len(self.xb[0])
-    def after_train(self): _sync(); self.runs.append(self.n/(time.perf_counter()-self.t0))
-    def before_validate(self): raise CancelValidException()
-
 class SyntheticDL(DataLoader):
     "`n_batches` copies of one random batch already on `device`: the data-loading-free ceiling"
     def __init__(self, bs=128, size=224, n_batches=50, c=10, device='cuda', **kwargs):
@@ -271,14 +261,14 @@ def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cu
     opt,lf = torch_optimizer(m, opt),torch.nn.CrossEntropyLoss()
     if graphs: m = torch.compile(m, mode='reduce-overhead')  # (gradients set to None each step: none is a graph's memory when read)
     def epoch():
-        _sync(); t0,n = time.perf_counter(),0
+        cuda_sync(); t0,n = time.perf_counter(),0
         for x,y in dl:
             if graphs: torch.compiler.cudagraph_mark_step_begin()
             x = x.as_subclass(torch.Tensor).contiguous(memory_format=mf)
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                 loss = lf(m(x), y.as_subclass(torch.Tensor).long())
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
-        _sync(); return n/(time.perf_counter()-t0)
+        cuda_sync(); return n/(time.perf_counter()-t0)
     return epoch
 
 def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=True, device='cuda', runs=None):
@@ -291,7 +281,7 @@ def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func
     if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs))
     one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s; the
     wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
-    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),_TrainTimer()
+    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),train_timer(validate=False)
     if compile == 'reduce-overhead': cbs = [*cbs, CudaGraphCallback()]  # what a user gets: training batches as CUDA graphs
     elif compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
     def epoch():
@@ -378,7 +368,7 @@ class _TraceBatches(Callback):
     def before_batch(self):
         if not self.training: return
         if self.tr_i >= self.tr_start and not self.tr_on:  # (`>=`: a batch another callback cancelled is not counted)
-            _sync()
+            cuda_sync()
             with quiet_kineto(): self.tr_prof.start()
             self.tr_on = True
         if self._in_window(): self._mark('fastai batch'); self._phase('before_batch')
@@ -391,7 +381,7 @@ class _TraceBatches(Callback):
         if self._in_window(): self._enter('tr_ph', None)  # the phase ends inside its batch's span
         self.tr_i += 1
         if self.tr_i == self.tr_start+self.tr_n:  # a mark at the time the GPU has done the last batch: the window's end
-            self._mark(None); _sync(); self._mark('GPU done'); self._mark(None)
+            self._mark(None); cuda_sync(); self._mark('GPU done'); self._mark(None)
             self._stop()
             raise CancelFitException()
         if self.tr_i > self.tr_start: self._mark('between batches (loader, callbacks)')
@@ -463,20 +453,9 @@ def memory_over_epochs(dl, epochs=10):
     res = []
     for _ in range(epochs):
         for _ in dl: pass
-        _sync()
+        cuda_sync()
         if torch.cuda.is_available(): res.append(gpu_memory_mb())
     return res
-
-# %% ../nbs/07_bench.ipynb #c024
-def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs=None):
-    "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px from `make_image_folder` (reused if there)"
-    root = Path(root)
-    if (root/'done').exists(): return root
-    per = n//len(classes); nv = int(per*valid_frac)
-    make_image_folder(root, per-nv, nv, classes, out_size=((300,640), (240,500)),
-                      procs=procs or max(1, min(16, default_num_threads())))
-    (root/'done').touch()
-    return root
 
 # %% ../nbs/07_bench.ipynb #c025
 SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
@@ -504,11 +483,6 @@ def fastest_workers(thr, default=None):
     timed = {int(m[1]): v['img_s'] for k,v in thr.items() if (m := _IDL.match(k))}
     return max(timed, key=timed.get) if timed else default
 
-def _exact_kw():
-    "`exact_resize_crop=True` where the loaders take it as a keyword, else None (that row is left out)"
-    from fastai_dali.loader import DaliDL
-    return dict(exact_resize_crop=True) if 'exact_resize_crop' in inspect.signature(DaliDL.__init__).parameters else None
-
 def augment_steps():
     "One augmentation at a time, as `(item_tfms, batch_tfms)` before `Normalize`: where `aug_transforms()`' time goes"
     from fastai.vision.all import (Resize, aug_transforms, Flip, Rotate, Warp, Brightness, Contrast, Saturation, Hue,
@@ -527,8 +501,7 @@ def pixel_parity(root, size=224, device=None, bs=16):
     "Valid batches of `DaliDataLoaders` against `ImageDataLoaders`' on `root`, per resize method: |Δ| in 0-255 levels"
     from fastai.vision.all import ImageDataLoaders, Resize, ResizeMethod, PadMode
     from fastai_dali.data import DaliDataLoaders
-    ex = _exact_kw()
-    cases = {'Crop (default)': (Resize(size), {}), **({'Crop, exact_resize_crop=True': (Resize(size), ex)} if ex else {}),
+    cases = {'Crop (default)': (Resize(size), {}), 'Crop, exact_resize_crop=True': (Resize(size), dict(exact_resize_crop=True)),
              'Squish': (Resize(size, method=ResizeMethod.Squish), {}),
              **{f'Pad, {m}': (Resize(size, method=ResizeMethod.Pad, pad_mode=m), {}) for m in (PadMode.Zeros, PadMode.Border, PadMode.Reflection)}}
     res = {}
@@ -614,9 +587,8 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     if 'resize' in S:
         dls_sq = DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': Resize(size, method='squish')})
         L['DaliDataLoaders train, Resize squish'] = lambda: dls_sq.train
-        if ex := _exact_kw():
-            dls_ex = DaliDataLoaders.from_folder(root, **kw, **ex)
-            L['DaliDataLoaders valid, exact_resize_crop=True'] = lambda: dls_ex.valid
+        dls_ex = DaliDataLoaders.from_folder(root, **kw, exact_resize_crop=True)
+        L['DaliDataLoaders valid, exact_resize_crop=True'] = lambda: dls_ex.valid
     if 'mixed' in S:
         dls_py = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
                            splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)

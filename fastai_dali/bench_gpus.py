@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 from .core import *
-from .demo import _sync, make_image_folder, scratch_dir
+from .demo import cuda_sync, make_image_folder, make_bench_dataset, scratch_dir, train_timer
 
 # %% auto #0
 __all__ = ['id_folder', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']
@@ -35,18 +35,6 @@ def batch_ids(x):
     return (x[:, 0, 0, 0] + 256*x[:, 1, 0, 0]).tolist()
 
 # %% ../nbs/07b_bench_gpus.ipynb #c008
-class _EpochTimer:
-    "fastai callback: images and seconds of the last epoch's training batches on this rank"
-    def __new__(cls):
-        from fastai.callback.core import Callback
-        class T(Callback):
-            order = 100
-            def before_train(self): _sync(); self.t0,self.n_img = time.perf_counter(),0
-            def after_batch(self):
-                if self.training: self.n_img += len(self.xb[0])
-            def after_train(self): _sync(); self.secs = time.perf_counter()-self.t0
-        return T()
-
 def _gather(o):
     import torch.distributed as dist
     res = [None]*dist.get_world_size(); dist.all_gather_object(res, o); return res
@@ -57,9 +45,9 @@ def _fit(dls, arch, epochs, gpu, lr=1e-3):
     set_seed(0)
     learn = Learner(dls, create_vision_model(arch, dls.c, pretrained=False), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     if gpu: learn.to_channelslast(amp_mode='bf16')
-    t = _EpochTimer()
+    t = train_timer()
     with learn.distrib_ctx(sync_bn=False), learn.no_bar(), learn.no_logging(): learn.fit(epochs, lr, cbs=t)
-    per_rank = _gather((t.n_img, t.secs))
+    per_rank = _gather((t.n, t.secs))
     return sum(n for n,_ in per_rank)/max(s for _,s in per_rank), float(learn.recorder.values[-1][-1])
 
 def _loader_img_s(dl, batches, warmup=3):
@@ -69,9 +57,9 @@ def _loader_img_s(dl, batches, warmup=3):
         while True: yield from dl
     it = endless()
     for _ in range(warmup): next(it)
-    _sync(); dist.barrier(); t0,n = time.perf_counter(),0
+    cuda_sync(); dist.barrier(); t0,n = time.perf_counter(),0
     for _ in range(batches): n += len(next(it)[0])
-    _sync()
+    cuda_sync()
     return n/(time.perf_counter()-t0)  # (the epoch left unfinished: the loader's next one ends it)
 
 # %% ../nbs/07b_bench_gpus.ipynb #c009
@@ -177,7 +165,6 @@ def run_bench_gpus(path=None, gpus=None, device=None, n=10000, bs=128, size=224,
     gpus = gpus or (2 if cpu else torch.cuda.device_count())
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if path is None:
-        from fastai_dali.bench import make_bench_dataset
         path = make_bench_dataset(out/f'data_{n}', n)
     ids_root = out/'ids'
     if not ids_root.exists(): id_folder(ids_root)

@@ -11,7 +11,7 @@ from fastcore.basics import *
 from fastai.torch_core import default_device
 
 # %% auto #0
-__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads']
+__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads', 'derive_seed']
 
 # %% ../nbs/00_core.ipynb #c004
 _DALI_WHEELS = ('nvidia-dali-cuda120', 'nvidia-dali-cuda130', 'nvidia-dali-cuda110', 'nvidia-dali-nightly-cuda120',
@@ -64,3 +64,8 @@ def default_num_threads():
     "Cores this process may run on (DALI's `num_threads` default)"
     try: return max(1, len(os.sched_getaffinity(0)))
     except AttributeError: return max(1, os.cpu_count() or 1)
+
+# %% ../nbs/00_core.ipynb #c015
+def derive_seed(seed:int, k:int):
+    "The `k`-th seed derived from `seed` (shard `k`'s augmentations, a graph's `k`-th random op): a DALI seed in [0, 2**31-1)"
+    return (seed*1_000_003 + k*7_919) % (2**31-1)

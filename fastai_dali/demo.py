@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_demo.ipynb #c003
 from __future__ import annotations
-import argparse, gc, shutil, statistics, time, tempfile, multiprocessing as mp
+import argparse, gc, os, shutil, statistics, time, tempfile, multiprocessing as mp
 from contextlib import closing
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -12,8 +12,8 @@ import numpy as np, torch
 from PIL import Image
 
 # %% auto #0
-__all__ = ['sample_photos', 'make_image_folder', 'scratch_dir', 'gpu_memory_mb', 'time_loader', 'loader_throughput',
-           'epoch_timeline', 'run_demo', 'main']
+__all__ = ['sample_photos', 'make_image_folder', 'make_bench_dataset', 'scratch_dir', 'cuda_sync', 'gpu_memory_mb', 'time_loader',
+           'loader_throughput', 'epoch_timeline', 'train_timer', 'run_demo', 'main']
 
 # %% ../nbs/06_demo.ipynb #c004
 _photos = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry', 'cat')
@@ -55,6 +55,20 @@ def make_image_folder(dest, n_train=40, n_valid=10, classes=_photos[:4], min_siz
     else: list(map(_write_jpegs, jobs))
     return dest
 
+def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs=None):
+    "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px (ImageNet-like) from `make_image_folder`, reused if there (the benchmarks' data)"
+    root = Path(root)
+    if (root/'done').exists(): return root
+    per = n//len(classes); nv = int(per*valid_frac)
+    make_image_folder(root, per-nv, nv, classes, out_size=((300,640), (240,500)), procs=procs or max(1, min(16, _cores())))
+    (root/'done').touch()
+    return root
+
+def _cores():
+    try: return len(os.sched_getaffinity(0))
+    except AttributeError: return os.cpu_count() or 1
+
+
 # %% ../nbs/06_demo.ipynb #c006t
 def scratch_dir(prefix='fastai_dali_'):
     "A new temporary folder, removed (with what is in it) when this process exits"
@@ -65,7 +79,8 @@ def scratch_dir(prefix='fastai_dali_'):
     return d
 
 # %% ../nbs/06_demo.ipynb #c008
-def _sync():
+def cuda_sync():
+    "Wait for the current CUDA device (nothing without CUDA): what a timer does before reading the clock"
     if torch.cuda.is_available(): torch.cuda.synchronize()
 
 def gpu_memory_mb():
@@ -92,11 +107,11 @@ def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
     n,t0,mem,m0,total = 0,None,[],gpu_memory_mb(),max_batches and warmup+max_batches
     with closing(_epochs(dl, total)) as batches:
         for i,b in enumerate(batches):
-            if i == warmup: _sync(); t0 = time.perf_counter()
+            if i == warmup: cuda_sync(); t0 = time.perf_counter()
             if i >= warmup: n += len(b[0])
             if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
             if total and i+1 == total: break  # the clock stops before the pass is closed (and its workers shut down)
-        _sync(); t1 = time.perf_counter()
+        cuda_sync(); t1 = time.perf_counter()
     gc.collect()  # no iterator of this loader left for the next loader's forked workers to inherit and collect
     if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
     res = {'img_s': n/(t1-t0)}
@@ -112,24 +127,24 @@ def epoch_timeline(dl, epochs=3, skip=3):
     "Each of `epochs` whole epochs of `dl`: seconds to its first batch, img/s after `skip` batches, img/s overall"
     res = []
     for _ in range(epochs):
-        _sync(); t0,ts,ns = time.perf_counter(),[],[]
+        cuda_sync(); t0,ts,ns = time.perf_counter(),[],[]
         for b in dl:
-            _sync(); ts.append(time.perf_counter()); ns.append(len(b[0]))
+            cuda_sync(); ts.append(time.perf_counter()); ns.append(len(b[0]))
         if len(ts) <= skip+1: raise ValueError(f"epochs too short to time: {len(ts)} batches, needs more than skip+1={skip+1}")
         res.append(dict(first_batch_s=ts[0]-t0, running_img_s=sum(ns[skip+1:])/(ts[-1]-ts[skip]),
                         epoch_img_s=sum(ns)/(ts[-1]-t0), batches=len(ts)))
     return res
 
 # %% ../nbs/06_demo.ipynb #c010
-def _train_timer(warmup=2):
-    "A fastai callback: img/s of each epoch's training batches after the first `warmup` (model + data, no validation)"
-    from fastai.callback.core import Callback  # here, so that importing this module does not import fastai
-    class TrainRate(Callback):
+def train_timer(warmup=0, validate=True):
+    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs); `validate=False` skips validation"
+    from fastai.callback.core import Callback, CancelValidException  # here, so that importing this module does not import fastai
+    class TrainTimer(Callback):
         order = 100  # after the other callbacks' `after_batch`
-        def __init__(self): self.n,self.t = 0,0.
-        def _start(self): _sync(); self.t0 = time.perf_counter()
+        def before_fit(self): self.runs,self.n_all,self.t_all = [],0,0.
+        def _start(self): cuda_sync(); self.t0 = time.perf_counter()
         def before_train(self):
-            self.i,self.t0 = 0,None
+            self.i,self.t0,self.n,self.secs = 0,None,0,None
             if warmup == 0: self._start()
         def after_batch(self):
             if not self.training: return
@@ -137,10 +152,14 @@ def _train_timer(warmup=2):
             if self.i == warmup: self._start()
             elif self.i > warmup: self.n += len(self.xb[0])
         def after_train(self):
-            if self.t0 is not None and self.i > warmup: _sync(); self.t += time.perf_counter()-self.t0
+            if self.t0 is None or self.i <= warmup: return
+            cuda_sync(); self.secs = time.perf_counter()-self.t0
+            self.runs.append(self.n/self.secs); self.n_all += self.n; self.t_all += self.secs
+        def before_validate(self):
+            if not validate: raise CancelValidException()
         @property
-        def img_s(self): return self.n/self.t if self.n else None
-    return TrainRate()
+        def img_s(self): return self.n_all/self.t_all if self.n_all else None
+    return TrainTimer()
 
 def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None, warmup=2):
     "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
@@ -152,13 +171,13 @@ def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='
                                       bs=bs, device=device)
     # fastai's Adam on torch's foreach kernels: the same parameters, 1.4-1.6x the training img/s on the H200 (04c_optimizer)
     learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy, opt_func=ForeachAdam)
-    timer = _train_timer(warmup)
+    timer = train_timer(warmup)
     t0 = time.perf_counter()
     learn.fit_one_cycle(epochs, 1e-3, cbs=timer)
-    _sync()
+    cuda_sync()
     fit_s = time.perf_counter()-t0
     with learn.no_bar(): acc = float(learn.validate()[1])
-    return dict(accuracy=acc, train_img_s=timer.img_s, timed_images=timer.n, fit_s=fit_s, epochs=epochs, warmup=warmup,
+    return dict(accuracy=acc, train_img_s=timer.img_s, timed_images=timer.n_all, fit_s=fit_s, epochs=epochs, warmup=warmup,
                 dls=dls)
 
 # %% ../nbs/06_demo.ipynb #c011

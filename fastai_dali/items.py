@@ -19,7 +19,7 @@ from .formats import *
 from .errors import *
 
 # %% auto #0
-__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'MaskFiles', 'y_targets']
+__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'MaskFiles', 'y_targets', 'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
 def _created_cls(f):
@@ -153,3 +153,30 @@ def y_targets(ds, files):
             raise TypeError(f"DaliDL stacks each target into one tensor, but targets have different shapes: "
                             f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
     return tuple(res)
+
+# %% ../nbs/03c_items.ipynb #c015
+class DaliInputs:
+    "What DALI reads for a dataset: its images (`files` for DALI's reader, or `python`, a `PythonSource`), fastai's encoded `targets`, and each item's `names` for errors"
+    def __init__(self, files=None, python:PythonSource=None, targets:tuple=(), names=()):
+        if (files is None) == (python is None): raise ValueError("DaliInputs reads files or a PythonSource: give one of them")
+        store_attr()
+    @property
+    def kind(self):
+        "'files' (DALI's reader) or 'python' (the bytes a `get_x` gives, through `external_source`)"
+        return 'files' if self.python is None else 'python'
+    @property
+    def masks(self):
+        "The items' mask files (a `MaskBlock` target), or None"
+        return next((t for t in self.targets if isinstance(t, MaskFiles)), None)
+    def __len__(self): return len(self.names)
+
+    @classmethod
+    def of(cls, ds, num_threads:int=None):
+        "What DALI reads for dataset `ds` (its labels computed here), or None when its items are not images DALI can read"
+        src = x_sources(ds)
+        if src is None: return None
+        if isinstance(src, PythonSource):
+            names = [src.name(i) for i in range(len(src))]
+            return cls(python=src, targets=y_targets(ds, names), names=names)
+        targets = y_targets(ds, src)  # (label errors before the files' check)
+        return cls(files=dali_files(src, pil_mode(ds), num_threads), targets=targets, names=src)

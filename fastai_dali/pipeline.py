@@ -13,7 +13,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'fastai_pipeline', 'track_pipeline', 'collect_dropped']
+__all__ = ['DaliPlan', 'fastai_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
@@ -24,6 +24,7 @@ class DaliPlan:
         self.items = L(zip(item_tfms, item_tfms.map(item_translation)))  # (item transform, its `ItemTranslation`)
         on_cpu = [tr.python(t) for t,tr in self.items]
         self.python = any(on_cpu)  # a Python step: the images are decoded on the CPU
+        self.fallbacks = [t for t,tr in self.items if tr.f is python_item_tfm]  # no translation: fastai's own, per image
         self.n_cpu = max([i+1 for i,p in enumerate(on_cpu) if p], default=0)  # item steps up to the last Python one
         self.out = OutputSpec(1 if mode=='L' else 3)
         self.details = self._fuse(batch_tfms)
@@ -43,9 +44,9 @@ class DaliPlan:
             details.append(res.detail)
         return details
 
-    def graph(self, train, gpu, decoded=None, peek=None, images=None, decoder=None):
-        "The `DaliGraph` of the images `decoded`, or decoded by `decoder` (shapes `peek`, from the files), or of their masks given the `images`' graph"
-        kw = dict(decoded=decoded, peek=peek, exact_resize_crop=self.exact_resize_crop)
+    def graph(self, train, gpu, decoded=None, peek=None, images=None, decoder=None, seed=None):
+        "The `DaliGraph` of the images `decoded`, or decoded by `decoder` (shapes `peek`, from the files), or of their masks given the `images`' graph; its random ops' seeds derive from `seed`"
+        kw = dict(decoded=decoded, peek=peek, exact_resize_crop=self.exact_resize_crop, seed=seed)
         # a first step may decode only what it needs (`ItemTranslation.decode`); by default on DALI's CPU backend, where
         # it was measured (`roi_decode`; docs/results/README.md, "Augmentations")
         roi = ifnone(self.roi_decode, not gpu)
@@ -106,9 +107,10 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None):
-    "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op"
-    gpu = Pipeline.current().device_id is not None
+                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None):
+    "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`)"
+    pipe = Pipeline.current()
+    gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
     # makes the order follow the loader's seed, the same for a mask reader (and for every shard given the same seed),
     # instead of DALI's fixed permutation (which `reader_seed=None` keeps)
@@ -136,59 +138,12 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     dkw.update(device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False)
     # the plan decodes: the whole images (`fn.decoders.image`), or its first step only the part it needs
     decoder = lambda op, *inputs, **kw: getattr(fn.decoders, op)(jpegs, *inputs, **{**dkw, **_window_kw(op, mixed)}, **kw)
-    g = plan.graph(train, gpu, peek=fn.peek_image_shape(jpegs, adjust_orientation=False), decoder=decoder)
+    g = plan.graph(train, gpu, peek=fn.peek_image_shape(jpegs, adjust_orientation=False), decoder=decoder, seed=graph_seed)
     img = plan(None, g)
     if log is not None: log.extend(g.log)
     if mask_files is None: return img, (y.gpu() if gpu else y)
     # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
     mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
     m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
-    m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g))
+    m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
     return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
-
-# %% ../nbs/02_pipeline.ipynb #c006
-import os, weakref
-_live_pipes, _inherited, _deferred = weakref.WeakSet(), [], []
-
-def track_pipeline(pipe):
-    "Register `pipe`: a forked child never destroys its copy, and a collection in another thread leaves its shutdown to this one (see \"Collections in other threads\")"
-    _live_pipes.add(pipe)
-    if type(pipe) is Pipeline: pipe.__class__ = _MainThreadShutdown  # (`pipeline_def` makes a plain `Pipeline`)
-    return pipe
-
-def _keep_in_child():
-    _inherited.extend(_live_pipes); _inherited.extend(_deferred); _deferred.clear()
-if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)
-
-def _close_pools(live=_live_pipes, inherited=_inherited, deferred=_deferred):  # bound now: it runs at exit
-    "Stop the Python worker processes of this process's live pipelines (idempotent)"
-    for p in list(live) + list(deferred):
-        pool = getattr(p, '_py_pool', None)  # DALI stops them itself, from an atexit hook
-        if pool is not None and not any(p is q for q in inherited): pool.close()
-
-from multiprocessing.util import Finalize
-Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
-
-# %% ../nbs/02_pipeline.ipynb #c010c
-import atexit, threading
-from nvidia.dali import Pipeline
-
-class _MainThreadShutdown(Pipeline):
-    "A DALI `Pipeline` that a collection outside the main thread keeps for `_shutdown_deferred` instead of shutting down"
-    def __del__(self):
-        if threading.current_thread() is threading.main_thread(): super().__del__()
-        else: _deferred.append(self)  # alive again (a finalizer runs once: this one won't run twice)
-
-def _shutdown_deferred(deferred=_deferred):
-    "Shut down, in this thread, the pipelines that collections in other threads found dropped"
-    while deferred: deferred.pop()._shutdown()
-
-atexit.register(_shutdown_deferred)  # before DALI's own atexit hook (registered earlier, run later)
-
-# %% ../nbs/02_pipeline.ipynb #c011
-import gc
-
-def collect_dropped(gpu=True):
-    "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`); shut down those collections in other threads kept"
-    if gpu: gc.collect()  # (the new pipeline is alive: no count of live ones tells whether others were dropped)
-    _shutdown_deferred()

@@ -20,8 +20,8 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['not_fused', 'ItemTranslation', 'dali_item_tfm', 'BatchResult', 'fused', 'dali_batch_tfm', 'batch_translation',
-           'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'crop_window', 'PythonItemTfm',
-           'python_item_tfm', 'item_translation']
+           'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'np_crop_pad', 'crop_window',
+           'PythonItemTfm', 'python_item_tfm', 'item_translation']
 
 # %% ../nbs/01_transforms.ipynb #c005
 def _never(tfm): return False
@@ -83,9 +83,11 @@ def batch_translation(tfm):
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation and each batch `Stage`"
     def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None,
-                 exact_resize_crop=False, out=None, decoder=None, roi_decode=False):
-        # `decoder(op, *inputs, **kw)`: a `fn.decoders` op on the encoded images (`decode`), for a graph that decodes itself
-        store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop,decoder,roi_decode')
+                 exact_resize_crop=False, out=None, decoder=None, roi_decode=False, seed:int=None):
+        # `decoder(op, *inputs, **kw)`: a `fn.decoders` op on the encoded images (`decode`), for a graph that decodes itself;
+        # `seed`: the pipeline's (`BuildSeeds.pipeline`), which the random ops' seeds derive from (None: DALI's own)
+        store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop,decoder,roi_decode,seed')
+        self.n_seeded = 0  # random ops seeded so far (`op_seed`)
         self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
         self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
         self.log = L()
@@ -98,11 +100,9 @@ class DaliGraph:
         if k not in self.rand: self.rand[k] = make()
         return self.rand[k]
     def op_seed(self):
-        "A seed for a random op of this graph, from the pipeline's and the ops seeded so far: the same draws whichever ops come before it"
-        from nvidia.dali.pipeline import Pipeline
-        self._n_seeded,seed = getattr(self, '_n_seeded', 0) + 1,Pipeline.current().seed
-        if seed is None or seed < 0: return -1  # a pipeline without a seed: DALI's own for the op
-        return (seed*1_000_003 + 7_919*self._n_seeded) % (2**31-1)
+        "A seed for the next random op of this graph, derived from the graph's `seed` and the ops seeded so far; -1 (DALI's own) without one"
+        self.n_seeded += 1
+        return -1 if self.seed is None or self.seed < 0 else derive_seed(self.seed, self.n_seeded)
     def decode(self, op='image', *inputs, **kwargs):
         "The encoded images decoded by `fn.decoders.<op>` (whole with 'image', the first time; e.g. a window with 'image_slice')"
         if self.decoder is None: raise ValueError("this graph was given decoded images (`decoded`): it has no encoded ones")
@@ -212,7 +212,7 @@ def resize_window(tfm, H, W, pos=(0.5, 0.5)):
     return trunc(py, H-ch), trunc(px, W-cw), ch, cw
 
 # %% ../nbs/01_transforms.ipynb #c020
-def _np_crop_pad(img, win, mode='reflect'):
+def np_crop_pad(img, win, mode='reflect'):
     "Crop `img` (HWC) to `win` = (y0,x0,h,w), padding outside with `np.pad(mode=mode)` as torchvision does"
     y0,x0,h,w = (int(o) for o in win)
     H,W = img.shape[:2]
@@ -267,7 +267,7 @@ def _resize(tfm, img, g):
         return fn.resize(img, **kw)
     if _reflect_pad(tfm):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
-        img = fn.python_function(img, _f32(y0,x0,ch,cw), function=_np_crop_pad, output_layouts='HWC')
+        img = fn.python_function(img, _f32(y0,x0,ch,cw), function=np_crop_pad, output_layouts='HWC')
         return fn.resize(img, **kw)
     # Pad with PadMode.Border: a ROI outside the image samples the clamped edge
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')

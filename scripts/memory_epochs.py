@@ -3,7 +3,7 @@
 Trains a tiny model for `--epochs` epochs (one `Learner.fit`) on a small generated JPEG folder and records after every
 epoch (after `gc.collect()`): RSS, glibc malloc's view of the heap (`mallinfo2`: bytes in use vs free inside its
 arenas, mmapped bytes, the number of arenas), the Python heap (tracemalloc), live objects by type (gc), live DALI
-pipelines (`fastai_dali.pipeline._live_pipes`), Python threads, native threads, open fds and the worker processes' RSS.
+pipelines (`fastai_dali.lifetime._live_pipes`), Python threads, native threads, open fds and the worker processes' RSS.
 `--trim` calls `malloc_trim(0)` before every reading (and records RSS before and after): what `malloc_trim` gives back
 was free memory that glibc kept, not live data. At the end: the growth per epoch (least squares) over the first and
 the second half of the epochs after `--warmup`, and the Python allocations / object types that grew most.
@@ -27,7 +27,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, Grandparent
                                parent_label, Learner, Callback, CrossEntropyLossFlat)
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.demo import make_image_folder
-import fastai_dali.pipeline as P
+import fastai_dali.lifetime as P
 
 _libc = ctypes.CDLL('libc.so.6')
 

@@ -91,8 +91,8 @@ def save_jpeg(arr, fn, quality=90):
     Image.fromarray(arr).save(fn, quality=quality)
     return fn
 
-def make_image_folder(root, n_train, n_valid, classes=CLASSES, seed=0, lo=40, hi=160):
-    "ImageNet-style `root/{train,valid}/<class>/*.jpg` with `n_train`/`n_valid` images per split"
+def make_noise_folder(root, n_train, n_valid, classes=CLASSES, seed=0, lo=40, hi=160):
+    "ImageNet-style `root/{train,valid}/<class>/*.jpg` of random-noise crops, `n_train`/`n_valid` images per split in all (the classes in turn; `fastai_dali.demo.make_image_folder` makes photo crops, per class)"
     rng,root = np.random.default_rng(seed),Path(root)
     for split,n in (('train', n_train), ('valid', n_valid)):
         for c in classes: (root/split/c).mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,7 @@ def image_folder(tmp_path_factory):
     def _make(n_train, n_valid, seed=0, classes=CLASSES):
         key = (n_train, n_valid, seed, tuple(classes))
         if key not in cache:
-            cache[key] = make_image_folder(tmp_path_factory.mktemp(f'imgs_{n_train}_{n_valid}_{seed}'),
+            cache[key] = make_noise_folder(tmp_path_factory.mktemp(f'imgs_{n_train}_{n_valid}_{seed}'),
                                            n_train, n_valid, classes=classes, seed=seed)
         return cache[key]
     return _make
@@ -153,7 +153,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     # What is alive once the test files are imported (torch, fastai, DALI, hypothesis: ~550,000 objects) lives as long
     # as the process. Out of the garbage collector's sight (`gc.freeze`), the full collection each GPU build runs
-    # (`collect_dropped`, 02_pipeline) takes milliseconds instead of 0.3-0.7 s; what tests create is collected as before
+    # (`collect_dropped`, 02b_lifetime) takes milliseconds instead of 0.3-0.7 s; what tests create is collected as before
     gc.collect(); gc.freeze()
 
 @pytest.fixture(scope='module', autouse=True)
@@ -175,8 +175,8 @@ BUILD_LOG = os.environ.get('FASTAI_DALI_BUILD_LOG')
 
 @pytest.fixture(scope='session')
 def _build_counter():
-    import fastai_dali.loader as L
-    orig,orig_collect,stats = L.DaliDL._build,L.collect_dropped,{'n': 0, 's': 0.0, 'gc': 0.0}
+    import fastai_dali.feed as F
+    orig,orig_collect,stats = F.Feed.build,F.collect_dropped,{'n': 0, 's': 0.0, 'gc': 0.0}
     def timed(self, *args, **kwargs):
         t = time.perf_counter()
         try: return orig(self, *args, **kwargs)
@@ -185,9 +185,9 @@ def _build_counter():
         t = time.perf_counter()
         try: return orig_collect(*args, **kwargs)
         finally: stats['gc'] += time.perf_counter() - t
-    L.DaliDL._build,L.collect_dropped = timed,timed_collect
+    F.Feed.build,F.collect_dropped = timed,timed_collect
     yield stats
-    L.DaliDL._build,L.collect_dropped = orig,orig_collect
+    F.Feed.build,F.collect_dropped = orig,orig_collect
 
 @pytest.fixture(autouse=True)
 def _log_builds(request):
@@ -259,7 +259,7 @@ import collections, ctypes, faulthandler, gc, time, traceback
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, Resize, get_image_files,
                                parent_label, Callback)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.pipeline import _live_pipes, _deferred, collect_dropped
+from fastai_dali.lifetime import _live_pipes, _deferred, collect_dropped
 
 N_TRAIN, N_VALID, BS = 43, 22, 6       # train: 7 batches (drop_last drops 1 item); valid: 6,6,6,4
 HANG_S = 300                           # backstop: dump every thread's stack and exit if a test hangs this long

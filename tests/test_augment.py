@@ -18,7 +18,7 @@ from fastai.vision.all import (Resize, RandomResizedCrop, RandomCrop, CropPad, F
                                TensorImage, IntToFloatTensor, Normalize, imagenet_stats, setup_aug_tfms, set_seed)
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL
-from fastai_dali.loader import augment_seed
+from fastai_dali.feed import augment_seed
 from conftest import DEVICE, plain
 
 N = 256  # samples per side

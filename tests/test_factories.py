@@ -23,9 +23,10 @@ from fastai.vision.all import (ImageDataLoaders, DataBlock, ImageBlock, Category
                                 parent_label, set_seed, vision_learner, resnet18, accuracy_multi, MSELossFlat,
                                 TensorMultiCategory, TensorImage)
 from fastai_dali.data import DaliDataLoaders   # also patches `DataBlock.dali_dataloaders`
-from fastai_dali.loader import DaliDL, DaliReadError
+from fastai_dali.loader import DaliDL
+from fastai_dali.errors import DaliReadError
 
-from conftest import CLASSES, gpu_keeps, make_image_folder, save_jpeg
+from conftest import CLASSES, gpu_keeps, make_noise_folder, plain, save_jpeg
 
 DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')   # as in test_parity.py
 N_TRAIN, N_VALID, BS = 24, 12, 5                            # 36 images: len(dl)s with remainders for every split
@@ -33,7 +34,6 @@ TFM = Resize(32)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def plain(t): return t.as_subclass(torch.Tensor).cpu() if isinstance(t, torch.Tensor) else t
 
 def valid_targets(dl): return torch.cat([plain(y) for _,y in dl])
 
@@ -76,7 +76,7 @@ def both(factory, *args, **kwargs):
 @pytest.fixture(scope='module')
 def root(tmp_path_factory):
     "ImageNet-style folder of photo crops, 40..120 px: 24 train + 12 valid, classes cat/dog/fish"
-    return make_image_folder(tmp_path_factory.mktemp('factories'), N_TRAIN, N_VALID, seed=11, hi=120)
+    return make_noise_folder(tmp_path_factory.mktemp('factories'), N_TRAIN, N_VALID, seed=11, hi=120)
 
 @pytest.fixture(scope='module')
 def fnames(root): return get_image_files(root)

@@ -30,9 +30,10 @@ import numpy as np, pytest, torch
 from fastai.vision.all import (Resize, Learner, Transform, PILImage, load_learner, vision_learner, resnet18, set_seed,
                                Flip, Brightness)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.loader import DaliDL, DaliPythonError, DaliReadError
+from fastai_dali.loader import DaliDL
+from fastai_dali.errors import DaliPythonError, DaliReadError
 
-from conftest import make_image_folder, VALID0, make_id_folder, id_of, ids_of, IdNet, IdLoss
+from conftest import make_noise_folder, VALID0, make_id_folder, id_of, ids_of, IdNet, IdLoss
 from conftest import DEVICE, PRED_ATOL, gpu_keeps, plain, run_with_timeout
 from conftest import (N_VALID, BS, bytes_block, id_loaders, labels_of, check_batch, check_train_epoch,
                       check_valid_epoch, exc_text)
@@ -197,7 +198,7 @@ def test_export_load_learner_new_path(tmp_path):
 
 def test_export_load_learner_new_path_resnet(tmp_path):
     "The same with a vision_learner on JPEGs: predictions at the new path equal the original ones"
-    old = make_image_folder(tmp_path/'old', 12, 9, seed=11)
+    old = make_noise_folder(tmp_path/'old', 12, 9, seed=11)
     set_seed(0)
     dls = DaliDataLoaders.from_folder(old, item_tfms=Resize(32), bs=4, device=DEVICE)
     learn = vision_learner(dls, resnet18, pretrained=False)
@@ -288,7 +289,7 @@ import numpy as np
 from PIL import Image
 from fastai.vision.all import Transform, PILImage, Resize
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.pipeline import _deferred
+from fastai_dali.lifetime import _deferred
 root, device = Path(sys.argv[1]), sys.argv[2]
 rng = np.random.default_rng(0)
 for split,n in (('train', 24), ('valid', 4)):

@@ -10,7 +10,7 @@ import pytest, torch
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
                                accuracy)
 from fastai_dali.data import ZipMember  # and DataBlock.dali_dataloaders
-from conftest import make_image_folder, build_at_once
+from conftest import make_noise_folder, build_at_once
 from conftest import DEVICE, plain
 
 def zip_names(p): return sorted(zipfile.ZipFile(p).namelist())
@@ -19,7 +19,7 @@ def is_valid(n): return n.startswith('valid')
 
 @pytest.fixture(scope='module')
 def zipped(tmp_path_factory):
-    root = make_image_folder(tmp_path_factory.mktemp('zip')/'data', 22, 9, seed=7)
+    root = make_noise_folder(tmp_path_factory.mktemp('zip')/'data', 22, 9, seed=7)
     zpath = root.parent/'images.zip'
     with zipfile.ZipFile(zpath, 'w') as z:
         for f in sorted(root.rglob('*.jpg')): z.write(f, f.relative_to(root).as_posix())
@@ -35,7 +35,7 @@ def loaders(zipped):
     fd = block(zipped).dataloaders(zipped, bs=4, device='cpu', num_workers=0)
     build_at_once(dd.train, dd.valid)
     yield dd, fd
-    for dl in dd.loaders: dl._release()
+    for dl in dd.loaders: dl.feed.release()
     gc.collect()
 
 def test_valid_matches_fastai(loaders):
@@ -97,7 +97,7 @@ def test_worker_callback_file_removed(loaders):
     src = dd.valid.built.source
     assert isinstance(src, EpochSource) and src._fn is None   # read by the workers when they started, then deleted
     fn = src.__reduce__()[1][0]; assert os.path.exists(fn)    # pickled again: a new file, deleted with the source
-    del src; dd.valid._release(); gc.collect()    # (a later test using `loaders` would build it again)
+    del src; dd.valid.feed.release(); gc.collect()    # (a later test using `loaders` would build it again)
     assert not os.path.exists(fn)
 
 @pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU loader's, CI runs this")

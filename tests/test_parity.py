@@ -44,9 +44,10 @@ from fastai.vision.all import (ImageDataLoaders, Resize, ResizeMethod, PadMode, 
                                 set_seed, vision_learner, resnet18, accuracy, load_learner, model_meta, Callback)
 from fastai.vision.learner import _add_norm
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.loader import DaliDL, DaliReadError
+from fastai_dali.loader import DaliDL
+from fastai_dali.errors import DaliReadError
 
-from conftest import (PARITY_STATS, CLASSES, DEVICE, PRED_ATOL, gpu_keeps, make_image_folder, random_crop, save_jpeg,
+from conftest import (PARITY_STATS, CLASSES, DEVICE, PRED_ATOL, gpu_keeps, make_noise_folder, random_crop, save_jpeg,
                       plain, epoch, run_with_timeout)
 
 
@@ -382,7 +383,7 @@ def test_copy_rebuilds_pipeline(trained):
     dl = trained['dd'].valid
     ref = epoch(dl)
     state = dl.__getstate__()
-    assert state['_built'] is None
+    assert state['feed'].built is None and state['feed'] is not dl.feed
     dl2 = copy.copy(dl)
     assert dl2.built is None
     got = epoch(dl2)
@@ -425,7 +426,7 @@ def _text(bad): bad.write_text('this is not a JPEG\n')
 # end-of-image marker first, so the file is named on the GPU as on the CPU
 @pytest.mark.parametrize('write', [_truncate, _text], ids=['truncated', 'text'])
 def test_corrupt_jpeg_named_in_error(tmp_path, write):
-    root = make_image_folder(tmp_path/'data', 6, 18, seed=5)
+    root = make_noise_folder(tmp_path/'data', 6, 18, seed=5)
     bad = _put_bad_file(root, write)
     dd = DaliDataLoaders.from_folder(root, item_tfms=Resize(32), bs=4, device=DEVICE)
     assert bad in list(dd.valid_ds.items) and list(dd.valid_ds.items).index(bad) > 0
@@ -437,7 +438,7 @@ def test_corrupt_jpeg_named_in_error(tmp_path, write):
 
 @pytest.fixture
 def missing_class_folder(tmp_path):
-    root = make_image_folder(tmp_path/'data', 6, 6, classes=('cat', 'dog'))
+    root = make_noise_folder(tmp_path/'data', 6, 6, classes=('cat', 'dog'))
     save_jpeg(random_crop(np.random.default_rng(1)), root/'valid'/'zebra'/'zebra_1.jpg')
     return root
 

@@ -34,7 +34,7 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.core import dali_device_id
 from nvidia.dali import pipeline_def, fn, types
 
-from conftest import PARITY_STATS, photos
+from conftest import PARITY_STATS, photos, plain
 
 DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')
 
@@ -67,8 +67,6 @@ def window_folder(tmp_path_factory):
             f.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(photo_crop(rng, h, w)).save(f, quality=90)
     return root
-
-def plain(t): return t.as_subclass(torch.Tensor).cpu()
 
 def valid_pixels(dl): return torch.cat([plain(b[0]) for b in dl])
 
