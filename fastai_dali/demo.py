@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_demo.ipynb #c003
 from __future__ import annotations
-import argparse, gc, os, shutil, statistics, time, tempfile, multiprocessing as mp
+import argparse, gc, shutil, statistics, time, tempfile, multiprocessing as mp
 from contextlib import closing
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -57,17 +57,13 @@ def make_image_folder(dest, n_train=40, n_valid=10, classes=_photos[:4], min_siz
 
 def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs=None):
     "`root/{train,valid}/<class>/*.jpg`: `n` JPEGs of 300-640 x 240-500 px (ImageNet-like) from `make_image_folder`, reused if there (the benchmarks' data)"
+    from fastai_dali.core import default_num_threads  # (here: importing this module imports neither DALI nor fastai)
     root = Path(root)
     if (root/'done').exists(): return root
     per = n//len(classes); nv = int(per*valid_frac)
-    make_image_folder(root, per-nv, nv, classes, out_size=((300,640), (240,500)), procs=procs or max(1, min(16, _cores())))
+    make_image_folder(root, per-nv, nv, classes, out_size=((300,640), (240,500)), procs=procs or max(1, min(16, default_num_threads())))
     (root/'done').touch()
     return root
-
-def _cores():
-    try: return len(os.sched_getaffinity(0))
-    except AttributeError: return os.cpu_count() or 1
-
 
 # %% ../nbs/06_demo.ipynb #c006t
 def scratch_dir(prefix='fastai_dali_'):
