@@ -308,8 +308,7 @@ class HueParams:
         d,res = _Draws(u),np.zeros(len(u))
         for f in self.fs:
             keep,v = d(f.batch) < f.p, d(f.batch)
-            lo = math.log(1-f.max_hue)
-            res = res + np.where(keep, np.exp(lo + v*(-2*lo)), 0.)
+            res = res + np.where(keep, _log_uniform(v, f.max_hue), 0.)
         return res
     def __call__(self, us): return [np.array([o], dtype=np.float32) for o in self.shifts(np.stack(us))]
 

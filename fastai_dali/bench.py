@@ -15,7 +15,7 @@ from fastcore.basics import noop
 _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.demo`; the benchmark's names include it
 
 # %% auto #0
-__all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
+__all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'GOALS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
            'fit_workers', 'md_table', 'show_markdown', 'bench_loaders', 'compare_loaders', 'results_markdown',
            'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner',
            'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
@@ -543,37 +543,15 @@ def epochs_markdown(res):
                     rows, right=(1, 2, 3, 4, 5))
 
 # %% ../nbs/07_bench.ipynb #c030
-def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
-              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
-              sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150):
-    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
-    from fastai.vision.all import (ImageDataLoaders, Resize, Normalize, imagenet_stats, aug_transforms, parent_label,
-                                   DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, get_image_files, models,
-                                   RandomResizedCrop)
-    import fastai, nvidia.dali, platform
+def _loader_rows(S, root, dls, kw, size, workers, gpu):
+    "The loaders the sections time ({row: make the loader}), and the `DaliDataLoaders` the later sections reuse"
+    from fastai.vision.all import (ImageDataLoaders, Resize, aug_transforms, parent_label, DataBlock, ImageBlock,
+                                   CategoryBlock, GrandparentSplitter, get_image_files, RandomResizedCrop)
     from fastai_dali.data import DaliDataLoaders
-    from fastai_dali.training import DeviceLossCallback
-    from fastai_dali.optimizer import ForeachAdam
-    S = set(SECTIONS if sections in ('all', ['all'], ('all',)) else sections)
-    if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
-    if not aug: S -= {'augment', 'augment-steps'}
-    if not mixed: S -= {'mixed', 'mixed-workers'}
-    workers,py_workers = tuple(workers or fit_workers()),tuple(py_workers or fit_workers())
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    if device is None: device = 'cuda' if torch.cuda.is_available() and dali_cuda_count() else 'cpu'
-    gpu = device != 'cpu'
-    root = Path(path) if path else make_bench_dataset(out/f'data_{n}', n)
-    res = {'machine': {'device': torch.cuda.get_device_name(0) if gpu else f'CPU ({default_num_threads()} cores)',
-                       'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
-                       'torch': torch.__version__, 'python': platform.python_version()},
-           'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), py_workers=list(py_workers), device=device, repeats=repeats,
-                            max_batches=max_batches, sections=[s for s in SECTIONS if s in S])}
-    print(res['machine'], flush=True)
-    norm = Normalize.from_stats(*imagenet_stats)
-    kw = dict(item_tfms=Resize(size), batch_tfms=norm, bs=bs, device=device)
-    dls = DaliDataLoaders.from_folder(root, **kw)
+    bs,device,norm = kw['bs'],kw['device'],kw['batch_tfms']
     files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
-    L = {_RAW: lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)}
+    raw = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)
+    L,D = {_RAW: raw},dict(raw=raw, augs=[*aug_transforms(), norm])
     if 'throughput' in S:
         L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
         if gpu: L['decode only (DALI, hw_decoder_load=1.0)'] = lambda: decode_only_loader(files, bs=bs, device=device, hw_decoder_load=1.0)
@@ -590,92 +568,107 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
         dls_ex = DaliDataLoaders.from_folder(root, **kw, exact_resize_crop=True)
         L['DaliDataLoaders valid, exact_resize_crop=True'] = lambda: dls_ex.valid
     if 'mixed' in S:
-        dls_py = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
-                           splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
+        D['py'] = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+                            splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
+    if 'augment' in S or (gpu and 'training' in S):  # fastbook's augmentation (the training section trains with it too)
+        D['rrc'] = DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': RandomResizedCrop(size, min_scale=0.35), 'batch_tfms': D['augs']})
     if 'augment' in S:
-        augs = [*aug_transforms(), norm]
-        dls_aug = DaliDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device)
-        dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35), batch_tfms=augs, bs=bs, device=device)
+        dls_aug = DaliDataLoaders.from_folder(root, **{**kw, 'batch_tfms': D['augs']})
         L['raw DALI aug (hand-written)'] = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True, pipeline=raw_dali_aug_pipeline)
         L['DaliDataLoaders train + aug_transforms()'] = lambda: dls_aug.train
-        L['DaliDataLoaders train, RandomResizedCrop + aug_transforms()'] = lambda: dls_rrc.train
+        L['DaliDataLoaders train, RandomResizedCrop + aug_transforms()'] = lambda: D['rrc'].train
         # RandomResizedCrop alone, against `Resize` alone ('DaliDataLoaders train'): decoding only the window, or the whole image
-        rrc = {roi: DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35), batch_tfms=norm, bs=bs,
-                                                device=device, roi_decode=roi) for roi in (True, False)}
+        rrc = {roi: DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': RandomResizedCrop(size, min_scale=0.35)}, roi_decode=roi)
+               for roi in (True, False)}
         if 'throughput' not in S: L['DaliDataLoaders train'] = lambda: dls.train
         for roi in (True, False): L[f'DaliDataLoaders train, RandomResizedCrop, roi_decode={roi}'] = (lambda d: lambda: d.train)(rrc[roi])
-    idls = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
+    D['idls'] = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
     if 'throughput' in S:
-        for w in workers: L[f'ImageDataLoaders train ({_nw(w)})'] = (lambda d: lambda: d.train)(idls[w])
-    thr = bench_loaders(L, max_batches=max_batches, repeats=repeats, warmup=warmup)
+        for w in workers: L[f'ImageDataLoaders train ({_nw(w)})'] = (lambda d: lambda: d.train)(D['idls'][w])
+    return L,D
+
+def _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup):
+    "The loader sections into `res` (throughput, augment, mixed, augment-steps, mixed-workers); the loaders the training reuses"
+    from fastai.vision.all import ImageDataLoaders
+    from fastai_dali.data import DaliDataLoaders
+    L,D = _loader_rows(S, root, dls, kw, size, workers, gpu)
+    T = dict(max_batches=max_batches, repeats=repeats, warmup=warmup)
+    thr = bench_loaders(L, **T)
     # ImageDataLoaders' comparisons (goals, its augment and training rows) use its fastest count of this run
     W = res['imagedataloaders_workers'] = fastest_workers(thr, max(workers))
     if 'augment' in S:  # timed after the others, once that count is known; its ratio to the hand-written DALI row above
-        idl_aug = ImageDataLoaders.from_folder(root, item_tfms=Resize(size), batch_tfms=augs, bs=bs, device=device, num_workers=W)
+        idl_aug = ImageDataLoaders.from_folder(root, **{**kw, 'batch_tfms': D['augs']}, num_workers=W)
         k = f'ImageDataLoaders train + aug_transforms() ({_nw(W)})'
-        thr[k] = bench_loaders({k: lambda: idl_aug.train}, max_batches=max_batches, repeats=repeats, warmup=warmup,
-                               label='timing')[k]
+        thr[k] = bench_loaders({k: lambda: idl_aug.train}, **T, label='timing')[k]
         thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
     if 'mixed' in S:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
         k = 'DaliDataLoaders train, get_x -> bytes (external_source)'
-        thr[k] = bench_loaders({k: lambda: dls_py.train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
+        thr[k] = bench_loaders({k: lambda: D['py'].train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
         thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
         # what bounds it over whole epochs: each epoch's start (the reader reads ahead into the next epoch, the source not)
-        E = {f'{_RAW}, whole epochs': lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True),
-             'DaliDataLoaders train': lambda: dls.train, k: lambda: dls_py.train}
+        E = {f'{_RAW}, whole epochs': D['raw'], 'DaliDataLoaders train': lambda: dls.train, k: lambda: D['py'].train}
         res['mixed_epochs'] = {n: epoch_timeline(f(), epochs=repeats+1)[1:] for n,f in E.items()}  # the first: a build
     res['throughput'] = thr
     show_markdown(results_markdown(thr))
     if 'mixed_epochs' in res: show_markdown(epochs_markdown(res['mixed_epochs']))
     if 'augment-steps' in S:
-        A = {k: (lambda d: lambda: d.train)(DaliDataLoaders.from_folder(root, item_tfms=it(size), batch_tfms=[*bt, norm], bs=bs, device=device))
+        A = {k: (lambda d: lambda: d.train)(DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': it(size),
+                                                                              'batch_tfms': [*bt, kw['batch_tfms']]}))
              for k,(it,bt) in augment_steps().items()}
-        res['augment_steps'] = bench_loaders(A, max_batches=max_batches, repeats=repeats, warmup=warmup,
-                                             label='timing one augmentation at a time')
+        res['augment_steps'] = bench_loaders(A, **T, label='timing one augmentation at a time')
         show_markdown(results_markdown(res['augment_steps']))
-    if 'mixed-workers' in S: res['mixed_workers'] = mixed_workers(root, py_workers, bs=bs, size=size, device=device,
+    if 'mixed-workers' in S: res['mixed_workers'] = mixed_workers(root, py_workers, bs=kw['bs'], size=size, device=kw['device'],
                                                                   repeats=repeats, warmup=warmup)
-    if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
-    if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
-    fit,fit_runs = {},{}
+    return D,W
+
+# %% ../nbs/07_bench.ipynb #c030b
+def _training_rows(dls, syn, sdl, D, dls_ld, W, compiled):
+    "The `learn.fit` rows of one arch: {row: how to train it} (`fit_rounds` times them)"
+    # row: data, and a plain PyTorch loop's optimizer (`torch_optimizer`), or fastai's `Learner` with: its optimizer
+    # (fast: `ForeachAdam`; else fastai's `Adam`), `DeviceLossCallback` (fastai's smoothed loss on the GPU), the bar on
+    P = lambda d, opt, graphs=False: dict(d=d, torch=opt, graphs=graphs)
+    F = lambda d, fast=False, loss=False, bar=False, compile=None: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile)
+    rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls),
+            f'ImageDataLoaders ({_nw(W)})': F(D['idls'][W]),
+            'plain PyTorch loop, synthetic batches': P(sdl, 'sgd'), 'plain PyTorch loop, DaliDataLoaders': P(dls.train, 'sgd'),
+            _PLAIN_ADAMW: P(sdl, 'adamw'), _PLAIN_FUSED: P(sdl, 'adamw_fused'),
+            'plain PyTorch loop, DaliDataLoaders, fused AdamW': P(dls.train, 'adamw_fused'),
+            'model only, DeviceLossCallback': F(syn, loss=True), 'DaliDataLoaders, DeviceLossCallback': F(dls, loss=True),
+            **{f'{_FAST}, {s}': F(d, fast=True, loss=True) for s,d in dls_ld.items()},
+            'DaliDataLoaders, RandomResizedCrop + aug_transforms()': F(D['rrc']),
+            'model only, ForeachAdam, DeviceLossCallback': F(syn, fast=True, loss=True),
+            'DaliDataLoaders, ForeachAdam': F(dls, fast=True),
+            _FAST: F(dls, fast=True, loss=True), f'{_FAST}, progress bar': F(dls, fast=True, loss=True, bar=True),
+            f'{_FAST}, RandomResizedCrop + aug_transforms()': F(D['rrc'], fast=True, loss=True)}
+    if compiled:  # the model `torch.compile`d (its first epoch, the compilation, timed apart)
+        # mode 'max-autotune-no-cudagraphs' is left out: on the H200 (2026-12-02) its resnet18 compilation took 264 s
+        # for 7,105 img/s against eager's 6,012 (rounds 5,023-7,002), and resnet50's did not end within 9 minutes
+        G = lambda d: F(d, fast=True, loss=True, compile='reduce-overhead')
+        rows.update({f'{_FAST}, torch.compile (default)': F(dls, fast=True, loss=True, compile='default'),
+                     _PLAIN_GRAPHS: P(sdl, 'adamw_fused', graphs=True),
+                     'plain PyTorch loop, DaliDataLoaders, fused AdamW, CUDA graphs': P(dls.train, 'adamw_fused', graphs=True),
+                     'model only, ForeachAdam, DeviceLossCallback, CudaGraphCallback': G(syn), _GRAPHS: G(dls),
+                     f'{_GRAPHS}, RandomResizedCrop + aug_transforms()': G(D['rrc'])})
+    return rows
+
+def _training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
+    "`learn.fit` img/s of every row for each of `archs` into `res` (`fit_img_s`, every timed epoch in `fit_runs`, `compile_s`)"
+    from fastai.vision.all import models
+    from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.training import DeviceLossCallback
+    from fastai_dali.optimizer import ForeachAdam
+    fit,fit_runs,device = {},{},kw['device']
+    compiled = 'training-compile' in S and bool(archs)
+    if compiled and (why := res.setdefault('compile_error', compile_works(device))):
+        print('torch.compile: not measured:', why, flush=True); compiled = False
     # the loader's settings under the fast path: fewer DALI threads (fastai's loop thread, launching the model's kernels,
     # shares the cores), a deeper prefetch queue (a batch ready longer before the loop asks for it)
     dls_ld = ({**{f'num_threads={t}': DaliDataLoaders.from_folder(root, **kw, num_threads=t) for t in (4, 8)},
-               'prefetch=4': DaliDataLoaders.from_folder(root, **kw, prefetch=4)} if gpu and {'training', 'training-loader'} <= S else {})
-    if gpu and 'training' in S and 'augment' not in S:  # training with fastbook's augmentation, as the augment section's loader
-        dls_rrc = DaliDataLoaders.from_folder(root, item_tfms=RandomResizedCrop(size, min_scale=0.35),
-                                              batch_tfms=[*aug_transforms(), norm], bs=bs, device=device)
-    for a in (archs if gpu and 'training' in S else []):
+               'prefetch=4': DaliDataLoaders.from_folder(root, **kw, prefetch=4)} if 'training-loader' in S else {})
+    for a in archs:
         arch = getattr(models, a)
-        sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
-        syn = DataLoaders(sdl, sdl)
-        # row: data, and a plain PyTorch loop's optimizer (`torch_optimizer`), or fastai's `Learner` with: its optimizer
-        # (fast: `ForeachAdam`; else fastai's `Adam`), `DeviceLossCallback` (fastai's smoothed loss on the GPU), the bar on
-        P = lambda d, opt, graphs=False: dict(d=d, torch=opt, graphs=graphs)
-        F = lambda d, fast=False, loss=False, bar=False, compile=None: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile)
-        rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls),
-                f'ImageDataLoaders ({_nw(W)})': F(idls[W]),
-                'plain PyTorch loop, synthetic batches': P(sdl, 'sgd'), 'plain PyTorch loop, DaliDataLoaders': P(dls.train, 'sgd'),
-                _PLAIN_ADAMW: P(sdl, 'adamw'), _PLAIN_FUSED: P(sdl, 'adamw_fused'),
-                'plain PyTorch loop, DaliDataLoaders, fused AdamW': P(dls.train, 'adamw_fused'),
-                'model only, DeviceLossCallback': F(syn, loss=True), 'DaliDataLoaders, DeviceLossCallback': F(dls, loss=True),
-                **{f'{_FAST}, {s}': F(d, fast=True, loss=True) for s,d in dls_ld.items()},
-                'DaliDataLoaders, RandomResizedCrop + aug_transforms()': F(dls_rrc),
-                'model only, ForeachAdam, DeviceLossCallback': F(syn, fast=True, loss=True),
-                'DaliDataLoaders, ForeachAdam': F(dls, fast=True),
-                _FAST: F(dls, fast=True, loss=True), f'{_FAST}, progress bar': F(dls, fast=True, loss=True, bar=True),
-                f'{_FAST}, RandomResizedCrop + aug_transforms()': F(dls_rrc, fast=True, loss=True)}
-        if 'training-compile' in S:  # the model `torch.compile`d (its first epoch, the compilation, timed apart)
-            if why := res.setdefault('compile_error', compile_works(device)): print('torch.compile: not measured:', why, flush=True)
-            else:
-                # mode 'max-autotune-no-cudagraphs' is left out: on the H200 (2026-12-02) its resnet18 compilation took 264 s
-                # for 7,105 img/s against eager's 6,012 (rounds 5,023-7,002), and resnet50's did not end within 9 minutes
-                G = lambda d: F(d, fast=True, loss=True, compile='reduce-overhead')
-                rows.update({f'{_FAST}, torch.compile (default)': F(dls, fast=True, loss=True, compile='default'),
-                             _PLAIN_GRAPHS: P(sdl, 'adamw_fused', graphs=True),
-                             'plain PyTorch loop, DaliDataLoaders, fused AdamW, CUDA graphs': P(dls.train, 'adamw_fused', graphs=True),
-                             'model only, ForeachAdam, DeviceLossCallback, CudaGraphCallback': G(syn), _GRAPHS: G(dls),
-                             f'{_GRAPHS}, RandomResizedCrop + aug_transforms()': G(dls_rrc)})
+        sdl = SyntheticDL(bs=kw['bs'], size=size, n_batches=len(dls.train), c=dls.c, device=device)
+        rows = _training_rows(dls, DataLoaders(sdl, sdl), sdl, D, dls_ld, W, compiled)
         # every row one epoch per round, interleaved (see `fit_rounds`)
         made = {}  # each row's epoch function, once made
         make = lambda k, r: lambda: made.setdefault(k, torch_loop_epochs(r['d'], arch, dls.c, device=device, opt=r['torch'], graphs=r['graphs'])
@@ -687,31 +680,83 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
                 res.setdefault('compile_s', {}).setdefault(a, {})[k] = sec[0] - statistics.median(sec[1:])
         gc.collect()  # the rows' Learners
         fit[a]['serial bound (model-only and DaliDataLoaders train one after the other)'] = serial_bound(
-            fit[a]['model only (synthetic batches on the GPU)'], thr['DaliDataLoaders train']['img_s'])
+            fit[a]['model only (synthetic batches on the GPU)'], res['throughput']['DaliDataLoaders train']['img_s'])
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
     res['fit_img_s'],res['fit_runs'] = fit,fit_runs  # medians, and every timed epoch
-    if 'trace' in S and gpu:  # the timeline of 20 training batches of each arch, DaliDataLoaders and model-only
-        tr = res['fit_trace'] = {}
-        for a in archs:
-            arch = getattr(models, a)
-            sdl = SyntheticDL(bs=bs, size=size, n_batches=len(dls.train), c=dls.c, device=device)
-            syn = DataLoaders(sdl, sdl)
-            for k,(d,cbs,of) in {'DaliDataLoaders': (dls, [], None), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()], None),
-                                 'model only': (syn, [], None), 'model only, DeviceLossCallback': (syn, [DeviceLossCallback()], None),
-                                 _FAST: (dls, [DeviceLossCallback()], ForeachAdam),
-                                 'model only, ForeachAdam, DeviceLossCallback': (syn, [DeviceLossCallback()], ForeachAdam)}.items():
-                fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
-                tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname, opt_func=of)
-                print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
+
+def _trace_section(res, archs, dls, kw, size, out):
+    "The timeline of 20 training batches of each arch, DaliDataLoaders and model-only, into `res['fit_trace']`"
+    from fastai.vision.all import models
+    from fastai_dali.training import DeviceLossCallback
+    from fastai_dali.optimizer import ForeachAdam
+    tr = res['fit_trace'] = {}
+    for a in archs:
+        arch = getattr(models, a)
+        sdl = SyntheticDL(bs=kw['bs'], size=size, n_batches=len(dls.train), c=dls.c, device=kw['device'])
+        syn = DataLoaders(sdl, sdl)
+        for k,(d,cbs,of) in {'DaliDataLoaders': (dls, [], None), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()], None),
+                             'model only': (syn, [], None), 'model only, DeviceLossCallback': (syn, [DeviceLossCallback()], None),
+                             _FAST: (dls, [DeviceLossCallback()], ForeachAdam),
+                             'model only, ForeachAdam, DeviceLossCallback': (syn, [DeviceLossCallback()], ForeachAdam)}.items():
+            fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
+            tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname, opt_func=of)
+            print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
+
+# %% ../nbs/07_bench.ipynb #c030c
+def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
+              out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
+              sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150):
+    "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
+    from fastai.vision.all import Resize, Normalize, imagenet_stats
+    import fastai, nvidia.dali, platform
+    from fastai_dali.data import DaliDataLoaders
+    S = set(SECTIONS if sections in ('all', ['all'], ('all',)) else sections)
+    if unknown := S - set(SECTIONS): raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+    if not aug: S -= {'augment', 'augment-steps'}
+    if not mixed: S -= {'mixed', 'mixed-workers'}
+    workers,py_workers = tuple(workers or fit_workers()),tuple(py_workers or fit_workers())
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    if device is None: device = 'cuda' if torch.cuda.is_available() and dali_cuda_count() else 'cpu'
+    gpu = device != 'cpu'
+    root = Path(path) if path else make_bench_dataset(out/f'data_{n}', n)
+    res = {'machine': {'device': torch.cuda.get_device_name(0) if gpu else f'CPU ({default_num_threads()} cores)',
+                       'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
+                       'torch': torch.__version__, 'python': platform.python_version()},
+           'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), py_workers=list(py_workers), device=device, repeats=repeats,
+                            max_batches=max_batches, sections=[s for s in SECTIONS if s in S])}
+    print(res['machine'], flush=True)
+    kw = dict(item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs, device=device)
+    dls = DaliDataLoaders.from_folder(root, **kw)
+    D,W = _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
+    if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
+    if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
+    res['fit_img_s'],res['fit_runs'] = {},{}
+    if gpu and 'training' in S: _training_section(S, res, archs, root, dls, kw, size, D, W, epochs)
+    if gpu and 'trace' in S: _trace_section(res, archs, dls, kw, size, out)
     res['targets'] = throughput_targets(res, gpu, W)
     show_markdown(goals_markdown(res))
     _write_results(res, out, mem_epochs)
     return res
 
 # %% ../nbs/07_bench.ipynb #c031
+# The bench's goals: each a ratio of rows measured in one run, by name (per arch where the model changes the bound)
+GOALS = dict(
+    loader_raw=dict(gpu=0.95, cpu=0.9),      # DaliDataLoaders / the hand-written DALI pipeline
+    loader_decode=0.9,                       # DaliDataLoaders / decode-only (the GPU's ceiling)
+    loader_idl=dict(gpu=12, cpu=2.0),        # DaliDataLoaders / ImageDataLoaders (its fastest worker count)
+    rrc_window=1.0, rrc_resize=1.0,          # RandomResizedCrop: window decode / whole decode; the faster / Resize
+    external_source=0.9,                     # get_x -> bytes through external_source / the hand-written pipeline
+    fit_model_only=dict(resnet18=0.9, resnet50=0.95),  # learn.fit on DaliDataLoaders / on synthetic batches
+    fit_aug=dict(resnet18=0.85, resnet50=0.93),        # the same with RandomResizedCrop + aug_transforms()
+    device_loss=1.0, fit_idl=5,              # DeviceLossCallback with / without; DaliDataLoaders / ImageDataLoaders
+    fast=dict(resnet18=0.9, resnet50=0.95),  # the fast path / the plain loop with the same optimizer
+    fast_aug=dict(resnet18=0.8, resnet50=0.9),
+    fast_default=1.7, fast_idl=4,            # resnet18's fast path / fastai's defaults; / ImageDataLoaders
+    memory=0.99)                             # device memory flat over epochs (1 - growth/first)
+
 def throughput_targets(res, gpu, W=None):
     "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has; `ImageDataLoaders` with `W` workers (default: its fastest row)"
-    t,thr = [],res['throughput']
+    t,thr,dev = [],res['throughput'],'gpu' if gpu else 'cpu'
     g = lambda k: thr[k]['img_s'] if k in thr else None
     if W is None: W = fastest_workers(thr)
     raw,idl = g(_RAW),g(f'ImageDataLoaders train ({_nw(W)})')
@@ -720,36 +765,37 @@ def throughput_targets(res, gpu, W=None):
     dec = max((v['img_s'] for k,v in thr.items() if k.startswith('decode only')), default=None)
     for split in ('train', 'valid'):
         if (v := g(f'DaliDataLoaders {split}')) is None: continue
-        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, 0.95 if gpu else 0.9)
-        if gpu and dec: _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, 0.9)
+        _target(t, f'DaliDataLoaders {split} / raw DALI', v/raw, GOALS['loader_raw'][dev])
+        if gpu and dec: _target(t, f'DaliDataLoaders {split} / decode-only ceiling', v/dec, GOALS['loader_decode'])
         if idl and gpu:
-            _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, 12,
+            _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, GOALS['loader_idl']['gpu'],
                     'bounded by decode-only / ImageDataLoaders = %.1f' % (dec/idl) if dec else '')
-        elif idl: _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, 2.0)
+        elif idl: _target(t, f'DaliDataLoaders {split} / {IDL}', v/idl, GOALS['loader_idl']['cpu'])
     if (v := g('DaliDataLoaders train, RandomResizedCrop, roi_decode=True')) is not None:
         off,rs = g('DaliDataLoaders train, RandomResizedCrop, roi_decode=False'),g('DaliDataLoaders train')
-        _target(t, 'RandomResizedCrop: window decode / whole decode', v/off, 1.0)
-        if gpu: _target(t, 'RandomResizedCrop (the faster decode) / Resize', max(v, off)/rs, 1.0)
+        _target(t, 'RandomResizedCrop: window decode / whole decode', v/off, GOALS['rrc_window'])
+        if gpu: _target(t, 'RandomResizedCrop (the faster decode) / Resize', max(v, off)/rs, GOALS['rrc_resize'])
     if (v := g('DaliDataLoaders train, get_x -> bytes (external_source)')) is not None:
-        _target(t, 'external_source (get_x -> bytes) / raw DALI', v/raw, 0.9)
+        _target(t, 'external_source (get_x -> bytes) / raw DALI', v/raw, GOALS['external_source'])
     if 'mixed_epochs' in res:  # once running, over whole epochs: without each epoch's start
         m = {n: statistics.median(o['running_img_s'] for o in rs) for n,rs in res['mixed_epochs'].items()}
-        _target(t, 'external_source (get_x -> bytes) / raw DALI, once running', list(m.values())[-1]/list(m.values())[0], 0.9)
-    for a,goal,aug_goal in (('resnet18', 0.9, 0.85), ('resnet50', 0.95, 0.93)):
+        _target(t, 'external_source (get_x -> bytes) / raw DALI, once running', list(m.values())[-1]/list(m.values())[0], GOALS['external_source'])
+    for a in ('resnet18', 'resnet50'):
         if a not in res['fit_img_s']: continue
+        goal,aug_goal = GOALS['fit_model_only'][a],GOALS['fit_aug'][a]
         f = res['fit_img_s'][a]
         _target(t, f'learn.fit {a}: DaliDataLoaders / model-only', f['DaliDataLoaders']/f['model only (synthetic batches on the GPU)'], goal)
         if 'DaliDataLoaders, DeviceLossCallback' in f:
             _target(t, f'learn.fit {a}, DeviceLossCallback: DaliDataLoaders / model-only', f['DaliDataLoaders, DeviceLossCallback']/f['model only, DeviceLossCallback'], goal)
-            _target(t, f'learn.fit {a}: DaliDataLoaders with DeviceLossCallback / without', f['DaliDataLoaders, DeviceLossCallback']/f['DaliDataLoaders'], 1.0)
+            _target(t, f'learn.fit {a}: DaliDataLoaders with DeviceLossCallback / without', f['DaliDataLoaders, DeviceLossCallback']/f['DaliDataLoaders'], GOALS['device_loss'])
         if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
-            _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({_nw(W)})', f['DaliDataLoaders']/i, 5)
+            _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({_nw(W)})', f['DaliDataLoaders']/i, GOALS['fit_idl'])
         if (v := f.get('DaliDataLoaders, RandomResizedCrop + aug_transforms()')) is not None:
             _target(t, f'learn.fit {a}, RandomResizedCrop + aug_transforms(): DaliDataLoaders / model-only', v/f['model only (synthetic batches on the GPU)'], aug_goal)
         # the fast path, eager and with training batches as CUDA graphs, against the plain loop with the same optimizer
         # (fastai's Adam as torch's AdamW) on synthetic batches; the graphed row also like for like, against the plain
         # loop compiled the same way (mode 'reduce-overhead')
-        fast_goal,fast_aug_goal = {'resnet18': (0.9, 0.8), 'resnet50': (0.95, 0.9)}[a]
+        fast_goal,fast_aug_goal = GOALS['fast'][a],GOALS['fast_aug'][a]
         C = {'plain loop (AdamW, synthetic)': f.get(_PLAIN_ADAMW), 'plain loop (fused AdamW, CUDA graphs, synthetic)': f.get(_PLAIN_GRAPHS)}
         for row,K,ceilings in ((_FAST, 'ForeachAdam + DeviceLossCallback', list(C)[:1]),
                                (_GRAPHS, 'ForeachAdam + DeviceLossCallback + CudaGraphCallback', list(C))):
@@ -760,11 +806,11 @@ def throughput_targets(res, gpu, W=None):
                 if (r := f.get(f'{row}, RandomResizedCrop + aug_transforms()')) is not None:
                     _target(t, f'learn.fit {a}, {K}, RandomResizedCrop + aug_transforms() / {cn}', r/c, fast_aug_goal)
             if a == 'resnet18':
-                _target(t, f'learn.fit {a}: {K} / fastai default (DaliDataLoaders)', v/f['DaliDataLoaders'], 1.7)
+                _target(t, f'learn.fit {a}: {K} / fastai default (DaliDataLoaders)', v/f['DaliDataLoaders'], GOALS['fast_default'])
                 if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
-                    _target(t, f'learn.fit {a}: {K} / ImageDataLoaders ({_nw(W)})', v/i, 4)
+                    _target(t, f'learn.fit {a}: {K} / ImageDataLoaders ({_nw(W)})', v/i, GOALS['fast_idl'])
     if m := res.get('memory_over_epochs_mb'):
-        _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], 0.99)
+        _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], GOALS['memory'])
     return t
 
 def goals_markdown(res):

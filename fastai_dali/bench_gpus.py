@@ -12,27 +12,35 @@ from .core import *
 from .demo import cuda_sync, make_image_folder, make_bench_dataset, scratch_dir, train_timer
 
 # %% auto #0
-__all__ = ['id_folder', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']
+__all__ = ['VALID0', 'id_folder', 'id_tensor', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']
 
 # %% ../nbs/07b_bench_gpus.ipynb #c005
-_VALID0 = 500  # valid ids are 500.., train ids 0.. (from `start`)
+VALID0 = 500  # valid ids are 500.., train ids 0.. (from `start`)
 
 def id_folder(root, n_train=43, n_valid=22, start=0):
     "`root/{train,valid}/<class>/<id>.png`: 8x8 single-colour PNGs whose colour encodes their id (red + 256 x green) and class (blue)"
     root = Path(root)
-    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+_VALID0, start+_VALID0+n_valid))):
+    for split,ids in (('train', range(start, start+n_train)), ('valid', range(start+VALID0, start+VALID0+n_valid))):
         for i in ids:
             a = np.zeros((8, 8, 3), np.uint8); a[..., 0], a[..., 1], a[..., 2] = i % 256, i // 256, 60*(i % 3)
             f = root/split/'abc'[i % 3]/f'{i:04d}.png'; f.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(a).save(f)
     return root
 
-def batch_ids(x):
-    "The item id of every image of batch `x` (0..1 floats, or 0..255), as a list"
-    x = x.as_subclass(torch.Tensor).float()
-    if x.max() <= 1: x = x*255
-    x = x.round().long()
-    return (x[:, 0, 0, 0] + 256*x[:, 1, 0, 0]).tolist()
+def id_tensor(x, at=(0, 0), solid=False):
+    "The item id (red + 256 x green at pixel `at`) of every image of batch `x` (floats in 0..1, or integers); with `solid`, -1 where an image is not one colour"
+    x = x.as_subclass(torch.Tensor)
+    x = (x.float()*255).round().long() if x.is_floating_point() else x.long()
+    r,g = x[:, 0],x[:, 1]
+    ids = r[:, at[0], at[1]] + 256*g[:, at[0], at[1]]
+    if not solid: return ids
+    r,g = r.flatten(1),g.flatten(1)
+    one = (r.min(1).values == r.max(1).values) & (g.min(1).values == g.max(1).values)
+    return torch.where(one, ids, torch.full_like(ids, -1))
+
+def batch_ids(x, at=(0, 0), solid=False):
+    "`id_tensor` as a list"
+    return id_tensor(x, at, solid).tolist()
 
 # %% ../nbs/07b_bench_gpus.ipynb #c008
 def _gather(o):

@@ -84,7 +84,7 @@ class DaliDataLoaders(DataLoaders):
     def from_dblock(cls, dblock:DataBlock, source, path='.', bs:int=64, val_bs:int=None, shuffle:bool=True,
                     device=None, on_error:str='raise', **kwargs):
         "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out"
-        if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
+        # `bs` is checked by `DaliDL`, which fastai builds with `bs` for training and `val_bs` (named here) for validation
         if val_bs is not None and int(val_bs) < 1: raise ValueError(f"val_bs={val_bs!r}: must be an integer >= 1")
         if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
         skipped = []

@@ -99,6 +99,9 @@ class DaliGraph:
         k = (id(tfm), key)
         if k not in self.rand: self.rand[k] = make()
         return self.rand[k]
+    def preset(self, tfm, key, node):
+        "Make `node` what `cached(tfm, key, ...)` returns: parameters given from outside, e.g. a test's own draws"
+        self.rand[(id(tfm), key)] = node
     def op_seed(self):
         "A seed for the next random op of this graph, derived from the graph's `seed` and the ops seeded so far; -1 (DALI's own) without one"
         self.n_seeded += 1

@@ -224,28 +224,23 @@ def pytest_terminal_summary(terminalreporter, config):
 # ------------------------------------------------------------------ images that carry their item id (exactness tests)
 # `root/{train,valid}/<class>/<id>.png`, 8x8 solid PNGs whose colour encodes the id: the package's own (`bench-gpus`
 # checks exactness with them), valid ids from VALID0, class `cls_of(id)`
-from fastai_dali.bench_gpus import id_folder as make_id_folder, _VALID0 as VALID0
+from fastai_dali.bench_gpus import id_folder as make_id_folder, id_tensor, VALID0
 CLS = ('a', 'b', 'c')
 
 def cls_of(i): return CLS[i % 3]
 
 def id_of(f): return int(Path(f).stem)
 
-def decode_ids(x):
-    "Item id of each image of batch `x` (0..1 floats); -1 where the pixels are not one solid colour"
-    x = (x.as_subclass(torch.Tensor).float()*255).round().long()
-    lo,hi = x[:, 0].flatten(1),x[:, 1].flatten(1)
-    solid = (lo.min(1).values == lo.max(1).values) & (hi.min(1).values == hi.max(1).values)
-    return torch.where(solid, lo[:, 0] + 256*hi[:, 0], torch.full_like(lo[:, 0], -1))
-
-def ids_of(x): return plain(decode_ids(x)).tolist()
+def ids_of(x):
+    "Item id of each image of batch `x`; -1 where the pixels are not one solid colour"
+    return id_tensor(x, solid=True).tolist()
 
 class IdNet(nn.Module):
     "A linear classifier on the mean colour, plus one more column: the id its input encodes"
     def __init__(self, n_cls=3): super().__init__(); self.lin = nn.Linear(3, n_cls)
     def forward(self, x):
         x = x.as_subclass(torch.Tensor)
-        return torch.cat([self.lin(x.mean((2, 3))), decode_ids(x)[:, None].float()], 1)
+        return torch.cat([self.lin(x.mean((2, 3))), id_tensor(x, solid=True)[:, None].float()], 1)
 
 class IdLoss:
     "Cross entropy on the class columns; predictions keep the id column"

@@ -318,7 +318,7 @@ def test_warp_pixels_match_fastai_with_same_draws(pad_mode):
     def pipe():
         img = fn.external_source(lambda: imgs, batch=True, layout='HWC')
         m = fn.external_source(lambda: mats, batch=True)
-        g = DaliGraph(train=True, gpu=gpu, rand={(id(t), 'affine'): m})
+        g = DaliGraph(train=True, gpu=gpu); g.preset(t, 'affine', m)
         return out.stages[0](img.gpu() if gpu else img, g)
     p = pipe(); p.build()
     o = p.run()[0]
@@ -360,7 +360,7 @@ def test_lighting_pixels_match_fastai_with_same_draws(with_saturation):
     def pipe():
         img = fn.external_source(lambda: imgs, batch=True, layout='HWC')
         a_ = fn.external_source(lambda: params[0], batch=True); b_ = fn.external_source(lambda: params[1], batch=True)
-        g = DaliGraph(train=True, gpu=gpu, rand={(id(t), 'lighting'): (a_, b_)})
+        g = DaliGraph(train=True, gpu=gpu); g.preset(t, 'lighting', (a_, b_))
         return out.stages[0](img.gpu() if gpu else img, g)
     pp = pipe(); pp.build()
     o = pp.run()[0]
@@ -404,7 +404,8 @@ def test_hue_pixels_match_fastai_with_same_draws():
     def pipe():
         img = fn.external_source(lambda: imgs, batch=True, layout='HWC')
         sh = fn.external_source(lambda: params, batch=True)
-        return out.stages[0](img.gpu() if gpu else img, DaliGraph(train=True, gpu=gpu, rand={(id(t), 'hue'): sh}))
+        g = DaliGraph(train=True, gpu=gpu); g.preset(t, 'hue', sh)
+        return out.stages[0](img.gpu() if gpu else img, g)
     pp = pipe(); pp.build()
     o = pp.run()[0]
     got = torch.tensor(np.stack([np.array(o.as_cpu()[i] if gpu else o[i]) for i in range(4)])).permute(0,3,1,2).float()

@@ -22,7 +22,7 @@ from hypothesis import given, example, settings, strategies as st, HealthCheck, 
 from PIL import Image
 from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, FuncSplitter
 from fastai_dali.data import DaliDataLoaders
-from conftest import DEVICE, plain
+from conftest import DEVICE, plain, id_tensor
 
 N_MAX = 1000
 
@@ -51,8 +51,7 @@ def epoch_ids(dl):
     "(item ids from the pixels, item ids from the labels, batch sizes) of one epoch"
     px,lb,sizes = [],[],[]
     for x,y in dl:
-        x = (plain(x).float()*255).round().long()
-        px += (x[:, 0, 0, 0] + 256*x[:, 1, 0, 0]).tolist(); lb += [int(dl.vocab[int(o)]) for o in plain(y)]
+        px += id_tensor(x).tolist(); lb += [int(dl.vocab[int(o)]) for o in plain(y)]
         sizes.append(len(y))
     return px,lb,sizes
 

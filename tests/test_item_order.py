@@ -14,7 +14,7 @@ from PIL import Image
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, MaskBlock, FuncSplitter, FlipItem, Resize, Inf,
                                set_seed)
 from fastai_dali.data import DaliDataLoaders
-from conftest import DEVICE, plain, run_with_timeout
+from conftest import DEVICE, plain, run_with_timeout, id_tensor
 
 N = 40
 
@@ -41,9 +41,7 @@ def dls_of(items, get_x=None, item_tfms=None, **kwargs):
 
 def ids(x):
     "Item index of each image of a batch (from the pixels of its top-right corner, never flipped onto by a corner mark)"
-    x = plain(x)
-    x = (x.float()*255).round().long() if x.is_floating_point() else x.long()
-    return (x[:, 0, 0, 3] + 256*x[:, 1, 0, 3]).tolist()
+    return id_tensor(x, at=(0, 3)).tolist()
 
 def order(dl, epochs=1): return [ids(x) for _ in range(epochs) for x,_ in dl]
 
