@@ -19,8 +19,8 @@ from .items import *
 from .sources import *
 
 # %% auto #0
-__all__ = ['BuildSpec', 'BuildSeeds', 'augment_seed', 'shard_len', 'n_batches', 'shard_positions', 'shard_padded', 'epoch_items',
-           'BuiltPipeline', 'PipelineCache', 'Feed']
+__all__ = ['BuildSpec', 'BuildSeeds', 'augment_seed', 'shard_len', 'n_batches', 'shard_positions', 'shard_padded', 'ShardShare',
+           'epoch_items', 'BuiltPipeline', 'PipelineCache', 'Feed']
 
 # %% ../nbs/03e_feed.ipynb #c005
 @dataclass(frozen=True)
@@ -111,6 +111,14 @@ def shard_padded(idxs, k, seed=None):
     if not idxs or not need: return idxs
     if seed is None: return (idxs * (need//len(idxs) + 2))[:len(idxs)+need]
     return idxs + [idxs[i] for i in np.random.default_rng(seed).choice(len(idxs), need, replace=need > len(idxs))]
+
+class ShardShare:
+    "Shard `shard_id`'s part of an item order: the order padded (`shard_padded` with `seed`), then cut into `num_shards` equal runs, as DALI's reader deals its shards"
+    def __init__(self, shard_id:int, num_shards:int): store_attr()
+    def __call__(self, order, seed=None):
+        o = shard_padded(order, self.num_shards, seed)
+        m = len(o)//self.num_shards
+        return o[self.shard_id*m:(self.shard_id+1)*m]
 
 # %% ../nbs/03e_feed.ipynb #c014
 def epoch_items(spec:BuildSpec):
@@ -246,12 +254,15 @@ class Feed:
             raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
         shard_id,num_shards,gather_n,kw = spec.shard_id,spec.num_shards,None,{}
         if inp.kind == 'python':
-            if num_shards > 1: raise NotImplementedError(
-                "DaliDL shards image files (DALI's reader), not the bytes a `get_x` returns: with several processes, give the "
-                "DataBlock a `get_x` that returns each item's file path, or train this dataset in one process")
-            n_serve = n_batches(spec.n_items, spec.bs, spec.drop_last)*spec.bs
-            files,labels,source = [],[],EpochSource(inp.python, n_serve, spec.bs, None if shuffle else idxs, seeds.build, EpochFlag())
-            kw = python_workers_kwargs(source, spec.py_workers)
+            share = seed = None
+            if num_shards > 1 and shuffle:  # each epoch's permutation dealt to the shards by the source itself
+                share,seed = ShardShare(shard_id, num_shards),ifnone(seeds.reader, 0)  # (the same on every shard)
+            elif num_shards > 1:  # this shard's own items in gathering order, as for the reader below
+                gather_n,idxs = len(idxs),shard_padded(idxs, num_shards)
+                idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, spec.bs, shard_id, num_shards)]
+            n_serve = n_batches(len(idxs), spec.bs, spec.drop_last, num_shards if shuffle else 1)*spec.bs
+            source = EpochSource(inp.python, n_serve, spec.bs, None if shuffle else idxs, ifnone(seed, seeds.build), EpochFlag(), share)
+            files,labels,kw,shard_id,num_shards = [],[],python_workers_kwargs(source, spec.py_workers),0,1
         else:
             if num_shards > 1:  # equal shares (see "Shards")
                 # shuffled: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
@@ -283,7 +294,10 @@ class Feed:
     def ready(self, spec:BuildSpec, get_idxs=None):
         "The pipeline for a new epoch of `spec`: a kept one that can start one, else a new one"
         b = self.kept(spec)
-        if b is not None and spec.num_shards > 1 and spec.seed_given and spec.shuffle and spec.order is None and (b.epoch or b.in_epoch): b = None
+        # several shards, shuffled with a seed: a reader's pipeline is built per epoch (see "Shards"); a Python source
+        # draws each epoch's permutation itself, from DALI's epoch index, the same on every shard
+        if (b is not None and b.source is None and spec.num_shards > 1 and spec.seed_given and spec.shuffle and spec.order is None
+            and (b.epoch or b.in_epoch)): b = None
         if b is not None and b.in_epoch and not b.being_iterated() and not b.end_early(): b = None
         if b is None or b.in_epoch: return self.build(spec, get_idxs)
         self.built = b

@@ -87,7 +87,8 @@ class PythonSource:
     def name(self, i):
         "How errors name item `i`: with its whole path when it is one"
         o = self.items[i]
-        return f'item {i} ({o})' if isinstance(o, (str, Path)) else f'item {i} ({o!r:.60})'
+        whole = o if isinstance(o, (str, Path)) else getattr(o, 'item_name', None)  # (e.g. a shard's sample: its tar and key)
+        return f'item {i} ({o!r:.60})' if whole is None else f'item {i} ({whole})'
     def encoded(self, i):
         "The encoded image `get_x` gives for item `i`"
         x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]

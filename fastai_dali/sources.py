@@ -84,12 +84,16 @@ def pack_bytes(xs):
 # %% ../nbs/03d_sources.ipynb #c008
 class EpochSource(_PickledInFile):
     "Per-batch `external_source` callback: the batch's encoded images (`pack_bytes`), their lengths and their items' indices"
-    def __init__(self, src:PythonSource, n_serve:int, bs:int, order=None, seed:int=0, flag:EpochFlag=None):
+    def __init__(self, src:PythonSource, n_serve:int, bs:int, order=None, seed:int=0, flag:EpochFlag=None, share=None):
+        # `share(order, seed)`: this shard's part of an epoch's permutation, when several shards (processes) share it
         store_attr(); self._epoch,self._perm = None,None
         if order is not None: self.order = np.asarray(order, dtype=np.int64)  # once: `items` indexes it every batch
     def _order(self, epoch):
         if self.order is not None: return self.order
-        if self._epoch != epoch: self._epoch,self._perm = epoch,np.random.default_rng((self.seed, epoch)).permutation(len(self.src))
+        if self._epoch != epoch:
+            perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.src))
+            if self.share is not None: perm = np.asarray(self.share(perm.tolist(), (self.seed, epoch)), dtype=np.int64)
+            self._epoch,self._perm = epoch,perm
         return self._perm
     def items(self, bi):
         "The indices of the items of batch `bi` (DALI's `BatchInfo`): the last one repeated to fill the last batch"
