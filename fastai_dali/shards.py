@@ -209,12 +209,21 @@ def _vocab_file(tars):
     for p in (Path(tars[0]).parent, Path(tars[0]).parent.parent):
         if (p/'vocab.json').exists(): return json.loads((p/'vocab.json').read_text())
 
+def _check_labels(items, get_y, vocab, multi_label):
+    "Raise naming the first sample whose label is not in the given `vocab` (fastai's own error names no item)"
+    known = set(vocab)
+    for s in items:
+        y = get_y(s)
+        if any(o not in known for o in (y if multi_label else [y])):
+            raise ValueError(f"{s.tar}: sample {s.key!r} has the label {y!r}, which is not in the vocab given ({list(vocab)[:10]}"
+                             f"{'...' if len(known) > 10 else ''})")
+
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
 def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, seed:int=None, label='cls', get_y=None,
                 vocab=None, multi_label:bool=None, item_tfms=None, batch_tfms=None, cache_dir=None, on_error='raise',
                 path='.', **kwargs):
-    "Create from WebDataset tar shards: `train` and `valid` paths, globs or folders (or `valid_pct` of `train`), labelled by each sample's `label` member"
+    "Create from WebDataset tar shards: `train` and `valid` paths, globs or folders (or `valid_pct` of `train`), labelled by each sample's `label` member; `seed` seeds the split and the shuffles"
     if label not in LABEL_EXTS: raise ValueError(f"label={label!r}: must be one of {', '.join(LABEL_EXTS)}")
     if label == 'json' and get_y is None: raise ValueError("label='json' needs get_y, which picks the label from each sample's parsed JSON")
     if (valid is None) == (valid_pct is None): raise ValueError("give the validation shards (valid=) or a share of the training ones (valid_pct=)")
@@ -224,11 +233,12 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
     names = _vocab_file(shard_paths(train)) if label == 'cls' and get_y is None else None
     gy = ShardLabel(texts, label, get_y, names)
     if multi_label is None: multi_label = len(tr) > 0 and isinstance(gy(tr[0]), (list, tuple))
+    if vocab is not None: _check_labels(tr + va, gy, vocab, multi_label)
     blk = MultiCategoryBlock(vocab=vocab) if multi_label else CategoryBlock(vocab=vocab)
     splitter = IndexSplitter(range(len(tr), len(tr)+len(va))) if valid is not None else RandomSplitter(valid_pct, seed=seed)
     dblock = DataBlock(blocks=(ImageBlock, blk), get_x=read_sample, get_y=gy, splitter=splitter,
                        item_tfms=item_tfms, batch_tfms=batch_tfms)
-    return cls.from_dblock(dblock, tr + va, path=path, on_error=on_error, **kwargs)
+    return cls.from_dblock(dblock, tr + va, path=path, on_error=on_error, seed=seed, **kwargs)  # (`seed`: the loaders' orders too)
 
 # %% ../nbs/04d_shards.ipynb #c022
 def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True):
