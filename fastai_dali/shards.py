@@ -257,7 +257,8 @@ def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', 
     (out/'vocab.json').write_text(json.dumps(vocab))
     res,todo = {},[(s, i, f) for s in (train, valid) for i,f in enumerate(files[s])]
     tf = None
-    for s,i,f in (progress_bar(todo, comment='writing shards') if progress else todo):
+    if progress: todo = progress_bar(todo); todo.comment = 'writing shards'
+    for s,i,f in todo:
         if i % per_shard == 0:
             if tf is not None: tf.close()
             p = out/s/f'{i//per_shard:05d}.tar'; p.parent.mkdir(parents=True, exist_ok=True)
@@ -267,4 +268,5 @@ def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', 
             ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
             tf.addfile(ti, io.BytesIO(data))
     if tf is not None: tf.close()
+    if progress: print()  # (the bar's line ends)
     return res

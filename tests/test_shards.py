@@ -245,3 +245,14 @@ def test_worker_processes(id_shards):
     dls = DaliDataLoaders.from_shards(tr, valid=va, bs=4, device=DEVICE, num_threads=1, py_workers=2, seed=3)
     px,_,sizes = epoch_ids(dls.train)
     assert len(px) == 28 and len(set(px)) == 28 and set(px) <= set(range(30))   # drop_last: 7 full batches of 30
+
+def test_shards_command(tmp_path, capsys):
+    "`fastai-dali shards FOLDER OUT --per-shard N`, as a user runs it; a missing folder: its message and exit status 2"
+    from fastai_dali.bench import cli
+    from fastai_dali.demo import make_image_folder
+    src = make_image_folder(tmp_path/'photos', n_train=3, n_valid=2, classes=('coffee', 'rocket'))
+    cli(['shards', str(src), str(tmp_path/'out'), '--per-shard', '4'])
+    assert 'train: 2 shard(s), valid: 1 shard(s)' in capsys.readouterr().out
+    assert json.loads((tmp_path/'out'/'vocab.json').read_text()) == ['coffee', 'rocket']
+    with pytest.raises(SystemExit) as e: cli(['shards', str(tmp_path/'nope'), str(tmp_path/'out2')])
+    assert e.value.code == 2 and 'does not exist' in capsys.readouterr().err
