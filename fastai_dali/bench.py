@@ -21,7 +21,8 @@ __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'GOALS', 'raw_dali_pipeline', 'raw_da
            'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
            'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace',
            'memory_over_epochs', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown',
-           'run_bench', 'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
+           'webdataset_loader', 'evict_page_cache', 'run_bench', 'throughput_targets', 'goals_markdown', 'cli',
+           'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -459,7 +460,7 @@ def memory_over_epochs(dl, epochs=10):
 
 # %% ../nbs/07_bench.ipynb #c025
 SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
-            'training-compile', 'trace', 'memory', 'resize', 'parity')
+            'training-compile', 'trace', 'memory', 'resize', 'parity', 'shards')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -702,6 +703,57 @@ def _trace_section(res, archs, dls, kw, size, out):
             tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname, opt_func=of)
             print(f'trace {a}: {k}', {n: (round(v, 3) if isinstance(v, float) else v) for n,v in tr[f'{a}: {k}'].items()}, flush=True)
 
+# %% ../nbs/07_bench.ipynb #c029s
+def webdataset_loader(tars, bs=128, size=224, workers=16, device=None):
+    "The peer of shards: the `webdataset` package's `WebDataset` (PIL decoding, torchvision's resize and centre crop) in a PyTorch `DataLoader` of `workers` processes, batches moved to `device`"
+    import webdataset as wds
+    from torchvision import transforms as T
+    tfm = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])
+    ds = (wds.WebDataset([str(t) for t in tars], shardshuffle=False, empty_check=False).decode('pil')
+          .to_tuple('jpg', 'cls').map_tuple(tfm, int))
+    dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=device not in (None, 'cpu'),
+                                     persistent_workers=workers > 0)
+    class _OnDevice:
+        def __iter__(self):
+            for x,y in dl: yield x.to(device, non_blocking=True).float().div_(255),y.to(device, non_blocking=True)
+    return _OnDevice()
+
+def evict_page_cache(paths):
+    "Drop the clean pages of the files under `paths` from the page cache (`posix_fadvise(DONTNEED)`: no root needed); the files they held"
+    n = 0
+    for p in paths:
+        for f in ([Path(p)] if Path(p).is_file() else (o for o in Path(p).rglob('*') if o.is_file())):
+            fd = os.open(f, os.O_RDONLY)
+            try: os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); n += 1
+            finally: os.close(fd)
+    return n
+
+def _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
+    "Folder against shards of the same JPEGs, whole epochs (warm, then cold), the pixels of both, and the webdataset peer, into `res['shards']`"
+    from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.shards import write_shards, shard_paths
+    n_train = len(DaliDataLoaders.from_folder(root, **kw).train_ds)
+    sdir = out/f'shards_{Path(root).name}'
+    per = max(16, n_train//(2*max(workers)))  # at least two tars per worker of the peer (`webdataset` splits by tar)
+    if not (sdir/'vocab.json').exists(): write_shards(root, sdir, per_shard=per)
+    folder,shards = (DaliDataLoaders.from_folder(root, **kw),
+                     DaliDataLoaders.from_shards(sdir/'train', valid=sdir/'valid', **kw))
+    W = max(workers)
+    L = {'DaliDataLoaders train, folder': lambda: folder.train, 'DaliDataLoaders train, shards': lambda: shards.train,
+         f'webdataset + DataLoader ({_nw(W)}) + PIL': lambda: webdataset_loader(shard_paths(sdir/'train'), kw['bs'], size, W, kw['device'])}
+    r = res['shards'] = dict(per_shard=per, n_tars=len(shard_paths(sdir/'train')), warm=bench_loaders(L, repeats=repeats, warmup=warmup,
+                                                                                                       label='timing whole epochs'))
+    show_markdown(results_markdown(r['warm']))
+    d = torch.cat([x.float().cpu() for x,_ in shards.valid]) - torch.cat([x.float().cpu() for x,_ in folder.valid])
+    r['pixels'] = dict(mean_abs_diff=float(d.abs().mean()), max_abs_diff=float(d.abs().max()), n=len(d))
+    cold = {}  # the first epoch after the files' pages left the cache, each loader in turn
+    for k,(dl,paths) in {'folder': (folder.train, [root]), 'shards': (shards.train, [sdir])}.items():
+        files = evict_page_cache(paths)
+        cold[k] = dict(files_evicted=files, **epoch_timeline(dl, epochs=1)[0])
+        print(f'cold cache, {k}: {cold[k]}', flush=True)
+    r['cold'] = cold
+    return r
+
 # %% ../nbs/07_bench.ipynb #c030c
 def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
               out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
@@ -728,6 +780,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     kw = dict(item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs, device=device)
     dls = DaliDataLoaders.from_folder(root, **kw)
     D,W = _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
+    if 'shards' in S: _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     res['fit_img_s'],res['fit_runs'] = {},{}
@@ -752,7 +805,9 @@ GOALS = dict(
     fast=dict(resnet18=0.9, resnet50=0.95),  # the fast path / the plain loop with the same optimizer
     fast_aug=dict(resnet18=0.8, resnet50=0.9),
     fast_default=1.7, fast_idl=4,            # resnet18's fast path / fastai's defaults; / ImageDataLoaders
-    memory=0.99)                             # device memory flat over epochs (1 - growth/first)
+    memory=0.99,                             # device memory flat over epochs (1 - growth/first)
+    shards_folder=0.95, shards_peer=5,       # shards / the folder, whole epochs; / webdataset + DataLoader + PIL (GPU)
+    shards_pixels=1.0)                       # shards give the folder's pixels: 1 - mean abs Δ (0..1 units)
 
 def throughput_targets(res, gpu, W=None):
     "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has; `ImageDataLoaders` with `W` workers (default: its fastest row)"
@@ -811,6 +866,11 @@ def throughput_targets(res, gpu, W=None):
                     _target(t, f'learn.fit {a}: {K} / ImageDataLoaders ({_nw(W)})', v/i, GOALS['fast_idl'])
     if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], GOALS['memory'])
+    if s := res.get('shards'):
+        w = s['warm']; sh = w['DaliDataLoaders train, shards']['img_s']
+        _target(t, 'shards / folder (DaliDataLoaders train, whole epochs)', sh/w['DaliDataLoaders train, folder']['img_s'], GOALS['shards_folder'])
+        if gpu: _target(t, 'shards / webdataset + DataLoader + PIL', sh/next(v['img_s'] for k,v in w.items() if k.startswith('webdataset')), GOALS['shards_peer'])
+        _target(t, "shards: the folder's pixels (1 - mean abs Δ)", 1 - s['pixels']['mean_abs_diff'], GOALS['shards_pixels'])
     return t
 
 def goals_markdown(res):
@@ -843,6 +903,11 @@ def _write_results(res, out, mem_epochs):
         md += ['', '### Pixel parity, valid batches against ImageDataLoaders (|Δ| in 0-255 levels)', '',
                '| resize | mean | p99 | max | images |', '|---|---:|---:|---:|---:|']
         md += [f"| {k} | {v['mean']:.2f} | {v['p99']:.0f} | {v['max']:.0f} | {v['n']} |" for k,v in res['parity'].items()]
+    if sh := res.get('shards'):
+        md += ['', results_markdown(sh['warm'], f"Shards ({sh['n_tars']} training tars of {sh['per_shard']}) against the folder, whole epochs (ratio to the first row)"),
+               '', f"Validation pixels, shards - folder: mean abs Δ {sh['pixels']['mean_abs_diff']:.3g}, max {sh['pixels']['max_abs_diff']:.3g} over {sh['pixels']['n']} images",
+               '', '| cold page cache, first epoch | files evicted | to first batch s | epoch img/s |', '|---|---:|---:|---:|']
+        md += [f"| {k} | {v['files_evicted']} | {v['first_batch_s']:.2f} | {v['epoch_img_s']:,.0f} |" for k,v in sh['cold'].items()]
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
     for a,f in res['fit_img_s'].items():
         runs = res.get('fit_runs', {}).get(a, {})
