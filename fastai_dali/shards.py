@@ -194,7 +194,7 @@ class ShardLabel:
         t = self.texts.get(s, {}).get(self.label)
         if t is None: raise ValueError(f"{s.tar}: sample {s.key!r} has no .{self.label} member to label it with")
         try: v = int(t.strip()) if self.label == 'cls' else json.loads(t) if self.label == 'json' else t.strip()
-        except ValueError as e: raise ValueError(f"{s.tar}: sample {s.key!r}: its .{self.label} member is not {'an integer' if self.label == 'cls' else 'JSON'}: {t[:60]!r}") from None
+        except ValueError: raise ValueError(f"{s.tar}: sample {s.key!r}: its .{self.label} member is not {'an integer' if self.label == 'cls' else 'JSON'}: {t[:60]!r}") from None
         if self.get_y is not None: return self.get_y(v)
         if self.names is not None and self.label == 'cls':
             if not 0 <= v < len(self.names):
