@@ -740,10 +740,8 @@ def _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
     folder,shards = (DaliDataLoaders.from_folder(root, **kw),
                      DaliDataLoaders.from_shards(sdir/'train', valid=sdir/'valid', **kw))
     W = max(workers)
-    L = {'DaliDataLoaders train, folder': lambda: folder.train, 'DaliDataLoaders train, shards': lambda: shards.train}
-    try: import webdataset  # noqa: F401 (the peer's row needs it: the test extra installs it)
-    except ImportError: print('shards: the webdataset package is not installed, so its row is left out (pip install webdataset)')
-    else: L[f'webdataset + DataLoader ({_nw(W)}) + PIL'] = lambda: webdataset_loader(shard_paths(sdir/'train'), kw['bs'], size, W, kw['device'])
+    L = {'DaliDataLoaders train, folder': lambda: folder.train, 'DaliDataLoaders train, shards': lambda: shards.train,
+         f'webdataset + DataLoader ({_nw(W)}) + PIL': lambda: webdataset_loader(shard_paths(sdir/'train'), kw['bs'], size, W, kw['device'])}
     r = res['shards'] = dict(per_shard=per, n_tars=len(shard_paths(sdir/'train')), warm=bench_loaders(L, repeats=repeats, warmup=warmup,
                                                                                                        label='timing whole epochs'))
     show_markdown(results_markdown(r['warm']))
