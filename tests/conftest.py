@@ -235,6 +235,23 @@ def ids_of(x):
     "Item id of each image of batch `x`; -1 where the pixels are not one solid colour"
     return id_tensor(x, solid=True).tolist()
 
+# ------------------------------------------------------------------ loader shards in one process (test_exactly_once, test_shards)
+def epoch_ids(dl):
+    "(item ids from the pixels, item ids from the labels (a class per item), batch sizes) of one epoch of `dl`"
+    px,lb,sizes = [],[],[]
+    for x,y in dl:
+        px += id_tensor(x).tolist(); lb += [int(dl.vocab[int(o)]) for o in plain(y)]; sizes.append(len(y))
+    return px,lb,sizes
+
+def gathered_valid(shards):
+    "The validation ids of `shards` (one `DataLoaders` per loader shard) as fastai gathers them: batch j of every shard in shard order, then batch j+1...; each shard's pixels and labels checked to agree, and its batch count to be the others'"
+    per_shard = []
+    for d in shards:
+        px,lb,sizes = epoch_ids(d.valid)
+        assert px == lb and len(sizes) == len(d.valid) == len(shards[0].valid)
+        per_shard.append(np.split(np.array(px, dtype=int), np.cumsum(sizes)[:-1]) if sizes else [])
+    return [int(i) for j in range(len(shards[0].valid)) for b in per_shard for i in b[j]]
+
 class IdNet(nn.Module):
     "A linear classifier on the mean colour, plus one more column: the id its input encodes"
     def __init__(self, n_cls=3): super().__init__(); self.lin = nn.Linear(3, n_cls)

@@ -17,12 +17,12 @@ passed when this was written. Found and
 fixed with it: an empty trailing batch on the shorter shard, DALI refusing fewer items than shards, and DROP leaving
 an unread tail that leaked into the next epoch (and cutting the longer shard short).
 """
-import numpy as np, pytest, torch
+import numpy as np, pytest
 from hypothesis import given, example, settings, strategies as st, HealthCheck, Phase
 from PIL import Image
 from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, FuncSplitter
 from fastai_dali.data import DaliDataLoaders
-from conftest import DEVICE, plain, id_tensor
+from conftest import DEVICE, epoch_ids, gathered_valid
 
 N_MAX = 1000
 
@@ -47,14 +47,6 @@ def loaders(files, bs, shuffle, drop_last, k, seed=None):
 
 def train_order(shards): return [epoch_ids(d.train)[0] for d in shards]
 
-def epoch_ids(dl):
-    "(item ids from the pixels, item ids from the labels, batch sizes) of one epoch"
-    px,lb,sizes = [],[],[]
-    for x,y in dl:
-        px += id_tensor(x).tolist(); lb += [int(dl.vocab[int(o)]) for o in plain(y)]
-        sizes.append(len(y))
-    return px,lb,sizes
-
 # Each example builds a pipeline per shard and split, ~6.6 in all: on a GPU (a 'mixed' decoder each) a build takes ~0.4 s
 # alone and ~2 s in the 4-process GPU suite (12 generated examples took 187 s there, the suite's longest test). The
 # accounting is the same code on both backends, so the GPU run checks the examples written out below (28 builds; 82 s
@@ -77,12 +69,7 @@ def test_exactly_once(items, n, bs, k, shuffle, drop_last, seed):
     train = {idx_of(f) for f in files if idx_of(f) % 4 != 3}
     shards = loaders(files, bs, shuffle, drop_last, k, seed)
     # valid: no shuffle, no drop_last, whatever was asked for train
-    per_shard = []
-    for d in shards:
-        px,lb,sizes = epoch_ids(d.valid)
-        assert px == lb and len(sizes) == len(d.valid) == len(shards[0].valid)
-        per_shard.append(np.split(np.array(px, dtype=int), np.cumsum(sizes)[:-1]) if sizes else [])
-    got = [int(i) for j in range(len(shards[0].valid)) for b in per_shard for i in b[j]]
+    got = gathered_valid(shards)
     assert got[:len(valid)] == valid and len(got) - len(valid) < k, (n, bs, k)
     for ep in range(2):
         seen = []

@@ -11,11 +11,11 @@ import io, json, os, tarfile, warnings
 import numpy as np, pytest, torch
 from hypothesis import given, example, settings, strategies as st, HealthCheck, Phase
 from PIL import Image
-from fastai.vision.all import Learner, Resize, ImageDataLoaders, set_seed
+from fastai.vision.all import Learner, Resize, ImageDataLoaders
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.shards import shard_samples, shard_indexes, write_shards, TarSample, read_sample
+from fastai_dali.shards import shard_samples, shard_indexes, write_shards, read_sample
 from fastai_dali.errors import DaliReadError
-from conftest import DEVICE, plain, id_tensor, IdNet, IdLoss
+from conftest import DEVICE, plain, epoch_ids, gathered_valid, IdNet, IdLoss
 
 N_MAX = 400
 VOCAB = list(range(N_MAX)) + list(range(1000, 1000 + N_MAX//4))  # a class per item (valid ids from 1000)
@@ -45,13 +45,6 @@ def write_tars(root, ids, n_tars, labels=None, writer='tarfile'):
                     for e,b in members(i).items(): add(tf, f'sample{i:06d}.{e}', b)
     return root
 
-def epoch_ids(dl):
-    "(ids from the pixels, ids from the labels, batch sizes) of one epoch"
-    px,lb,sizes = [],[],[]
-    for x,y in dl:
-        px += id_tensor(x).tolist(); lb += [int(dl.vocab[int(o)]) for o in plain(y)]; sizes.append(len(y))
-    return px,lb,sizes
-
 @pytest.fixture(scope='module')
 def once_root(tmp_path_factory): return tmp_path_factory.mktemp('shards_once')
 
@@ -74,12 +67,7 @@ def test_exactly_once_over_shards(once_root, n, bs, n_tars, k, shuffle, drop_las
                                           num_shards=k, seed=seed, vocab=VOCAB, **KW) for s in range(k)]
     valid = list(range(1000, 1000+n_valid))
     assert [int(s.key[6:]) for s in shards[0].valid_ds.items] == valid   # items in shard order
-    per_shard = []
-    for d in shards:
-        px,lb,sizes = epoch_ids(d.valid)
-        assert px == lb and len(sizes) == len(d.valid) == len(shards[0].valid)
-        per_shard.append(np.split(np.array(px, dtype=int), np.cumsum(sizes)[:-1]) if sizes else [])
-    got = [int(i) for j in range(len(shards[0].valid)) for b in per_shard for i in b[j]]
+    got = gathered_valid(shards)
     assert got[:len(valid)] == valid and len(got) - len(valid) < k, (n, bs, k)
     orders = []
     for ep in range(2):
