@@ -244,3 +244,12 @@ def test_shards_command(tmp_path, capsys):
     assert json.loads((tmp_path/'out'/'vocab.json').read_text()) == ['coffee', 'rocket']
     with pytest.raises(SystemExit) as e: cli(['shards', str(tmp_path/'nope'), str(tmp_path/'out2')])
     assert e.value.code == 2 and 'does not exist' in capsys.readouterr().err
+
+def test_skip_unreadable_in_shards(tmp_path):
+    "on_error='skip' as for folders: a truncated JPEG inside a shard is left out, named by its shard and key, the split kept"
+    jpg = io.BytesIO(); Image.fromarray(np.full((16, 16, 3), 90, np.uint8)).save(jpg, format='JPEG'); jpg = jpg.getvalue()
+    tr = _tar(tmp_path/'train', [(f'{k}.jpg', jpg if k != 'b' else jpg[:len(jpg)//2]) for k in 'abc'] + [(f'{k}.cls', b'0') for k in 'abc'])
+    va = _tar(tmp_path/'valid', [('v.jpg', jpg), ('v.cls', b'0')])
+    with pytest.warns(UserWarning, match=r"(?s)left out 1 of 4 images.*train/00000.tar:b.jpg"):
+        dls = DaliDataLoaders.from_shards(tr, valid=va, on_error='skip', bs=1, **KW)
+    assert [s.key for s in dls.train_ds.items] == ['a', 'c'] and [s.key for s in dls.valid_ds.items] == ['v']
