@@ -253,23 +253,20 @@ class Feed:
         if inp.masks is not None and (inp.kind == 'python' or plan.fallbacks):
             raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
         shard_id,num_shards,gather_n,kw = spec.shard_id,spec.num_shards,None,{}
+        if num_shards > 1 and not shuffle:  # equal shares (see "Shards"): this shard's own items, in gathering order
+            gather_n,idxs = len(idxs),shard_padded(idxs, num_shards)
+            idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, spec.bs, shard_id, num_shards)]
+            shard_id,num_shards = 0,1  # (read as one shard)
         if inp.kind == 'python':
-            share = seed = None
-            if num_shards > 1 and shuffle:  # each epoch's permutation dealt to the shards by the source itself
-                share,seed = ShardShare(shard_id, num_shards),ifnone(seeds.reader, 0)  # (the same on every shard)
-            elif num_shards > 1:  # this shard's own items in gathering order, as for the reader below
-                gather_n,idxs = len(idxs),shard_padded(idxs, num_shards)
-                idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, spec.bs, shard_id, num_shards)]
-            n_serve = n_batches(len(idxs), spec.bs, spec.drop_last, num_shards if shuffle else 1)*spec.bs
-            source = EpochSource(inp.python, n_serve, spec.bs, None if shuffle else idxs, ifnone(seed, seeds.build), EpochFlag(), share)
+            # shuffled on several shards: the source deals each epoch's permutation itself, the same on every shard
+            share = ShardShare(shard_id, num_shards) if num_shards > 1 else None
+            n_serve = n_batches(len(idxs), spec.bs, spec.drop_last, num_shards)*spec.bs
+            source = EpochSource(inp.python, n_serve, spec.bs, None if shuffle else idxs,
+                                 seeds.build if share is None else ifnone(seeds.reader, 0), EpochFlag(), share)
             files,labels,kw,shard_id,num_shards = [],[],python_workers_kwargs(source, spec.py_workers),0,1
         else:
-            if num_shards > 1:  # equal shares (see "Shards")
-                # shuffled: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
-                gather_n,idxs = (None if shuffle else len(idxs)),shard_padded(idxs, num_shards, seeds.reader if shuffle else None)
-                if not shuffle:  # this shard's own items, in gathering order; DALI reads them as one shard
-                    idxs = [idxs[p] for p in shard_positions(len(idxs)//num_shards, spec.bs, shard_id, num_shards)]
-                    shard_id,num_shards = 0,1
+            # shuffled on several shards: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
+            if num_shards > 1: idxs = shard_padded(idxs, num_shards, seeds.reader)
             files,labels,source = [inp.files[i] for i in idxs],idxs,None
         names = [inp.names[i] for i in idxs] if files else []  # the user's files, for error messages
         self.check_jpeg_ends(spec.num_threads)
