@@ -4,10 +4,10 @@
 
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
-import io, json, os, re, tarfile, warnings
+import io, json, os, tarfile, warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from glob import glob
+from glob import glob, escape as glob_escape
 from pathlib import Path
 from fastcore.basics import *
 from fastcore.meta import delegates
@@ -127,14 +127,12 @@ def shard_paths(paths):
     res = []
     for p in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
         p = str(p)
-        if os.path.isdir(p): found = sorted(glob(os.path.join(_glob_escape(p), '*.tar')))
+        if os.path.isdir(p): found = sorted(glob(os.path.join(glob_escape(p), '*.tar')))
         elif any(c in p for c in '*?['): found = sorted(glob(p))
         else: found = [p] if os.path.exists(p) else []
         if not found: raise FileNotFoundError(f"no shards found at {p!r} (a .tar file, a glob such as 'data/train-*.tar', or a folder of .tar files)")
         res += found
     return res
-
-def _glob_escape(p): return re.sub(r'([*?[])', r'[\1]', p)
 
 def _index_path(tar, cache_dir=None):
     "Where the index of `tar` goes: next to it (`00000.idx`), or in `cache_dir` under a name made from its full path"
@@ -143,15 +141,16 @@ def _index_path(tar, cache_dir=None):
     import hashlib
     return Path(cache_dir)/f"{t.stem}-{hashlib.sha1(str(t.resolve()).encode()).hexdigest()[:12]}.idx"
 
+_HOME_CACHE = Path.home()/'.cache'/'fastai_dali'/'shards'  # where an index goes when the shards' folder is read-only
+
 def _load_index(tar, cache_dir):
-    for where in ([cache_dir] if cache_dir else [None, Path.home()/'.cache'/'fastai_dali'/'shards']):
-        ix = ShardIndex.read(tar, _index_path(tar, where))
-        if ix is not None: return ix,False
-    stale = any(_index_path(tar, w).with_name(_index_path(tar, w).name + '.json').exists()
-                for w in ([cache_dir] if cache_dir else [None]))
+    "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
+    places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir else [None, _HOME_CACHE])]
+    for p in places:
+        if (ix := ShardIndex.read(tar, p)) is not None: return ix,False
+    stale = any(p.with_name(p.name + '.json').exists() for p in places)
     ix = ShardIndex.scan(tar)
-    for where in ([cache_dir] if cache_dir else [None, Path.home()/'.cache'/'fastai_dali'/'shards']):
-        p = _index_path(tar, where)
+    for p in places:
         try: p.parent.mkdir(parents=True, exist_ok=True); ix.write(p); break
         except OSError: continue
     return ix,stale

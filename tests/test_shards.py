@@ -147,6 +147,9 @@ def test_read_only_shards_index_in_cache(tmp_path):
     tr = write_tars(tmp_path/'train', range(4), 1)
     (ix,) = shard_indexes(tr, cache_dir=tmp_path/'cache')
     assert len(ix) == 4 and not (tr/'00000.idx').exists() and len(list((tmp_path/'cache').glob('00000-*.idx'))) == 1
+    write_tars(tr, range(10, 13), 1)   # changed: indexed again there, and said so
+    with pytest.warns(UserWarning, match='changed since they were indexed'): (ix,) = shard_indexes(tr, cache_dir=tmp_path/'cache')
+    assert len(ix) == 3
 
 def test_webdataset_package_and_tarfile_read_alike(tmp_path):
     a = write_tars(tmp_path/'a', range(9), 2, writer='tarfile')
