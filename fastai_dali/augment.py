@@ -38,35 +38,44 @@ def _drawn(g, tfm, key, params, inputs=tuple, num_outputs=1):
     return g.cached(tfm, key, make)
 
 # %% ../nbs/01b_augment.ipynb #c007
-@dali_item_tfm(FlipItem)
+@dali_item_tfm(FlipItem, points=True)
 def _flip_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.flip, p={tfm.p}')
-    return fn.flip(img, horizontal=_coin(g, tfm, 'flip', tfm.p))
+    coin = _coin(g, tfm, 'flip', tfm.p)
+    if g.geom is not None:  # x -> W-x where flipped (fastai negates the raw pixels: its points leave the image)
+        c = dali_float(coin)
+        g.move(PointMap(1.-2.*c, 0., c*dali_float(g.hw(img)[1])))
+    return fn.flip(img, horizontal=coin)
 
 # %% ../nbs/01b_augment.ipynb #c009
-def dihedral_pixel_mat(k, H, W):
-    "3x3 matrix mapping output pixel (x,y) to the source pixel of PIL's `transpose(k-1)` (k=0: identity); output (h,w)"
-    X,Y = W-1,H-1
+def dihedral_pixel_mat(k, H, W, edges=False):
+    "3x3 matrix mapping output pixel (x,y) to the source pixel of PIL's `transpose(k-1)` (k=0: identity); output (h,w). `edges`: for coordinates of pixel edges (x in [0, W]), not centres"
+    X,Y = (W,H) if edges else (W-1,H-1)
     m = {0: ([1,0,0],[0,1,0]),  1: ([-1,0,X],[0,1,0]),  2: ([1,0,0],[0,-1,Y]),  3: ([0,-1,X],[1,0,0]),
          4: ([-1,0,X],[0,-1,Y]), 5: ([0,1,0],[-1,0,Y]), 6: ([0,1,0],[1,0,0]),  7: ([0,-1,X],[-1,0,Y])}[int(k)]
     return np.array([*m, [0,0,1]], dtype=np.float32), ((W,H) if k in (3,5,6,7) else (H,W))
 
 class DihedralParams:
-    "Per-sample matrices and output sizes of `DihedralItem`, from draws `u` (coin, k) and image shapes"
+    "Per-sample matrices and output sizes of `DihedralItem`, from draws `u` (coin, k) and image shapes; with `points`, also the map of points (source -> output pixel edges, 6 entries)"
     n_draws = 2
-    def __init__(self, p): self.p = p
+    def __init__(self, p, points=False): self.p,self.points = p,points
     def __call__(self, us, shapes):
-        res = [dihedral_pixel_mat(min(int(u[1]*8), 7) if u[0] < self.p else 0, int(s[0]), int(s[1]))
-               for u,s in zip(us, shapes)]
-        return [m for m,_ in res], [np.array(sz, dtype=np.float32) for _,sz in res]
+        ks = [min(int(u[1]*8), 7) if u[0] < self.p else 0 for u in us]
+        res = [dihedral_pixel_mat(k, int(s[0]), int(s[1])) for k,s in zip(ks, shapes)]
+        out = [m for m,_ in res], [np.array(sz, dtype=np.float32) for _,sz in res]
+        if not self.points: return out
+        pm = [np.linalg.inv(dihedral_pixel_mat(k, int(s[0]), int(s[1]), edges=True)[0])[:2].ravel().astype(np.float32)
+              for k,s in zip(ks, shapes)]
+        return (*out, pm)
 
 # %% ../nbs/01b_augment.ipynb #c011
-@dali_item_tfm(DihedralItem)
+@dali_item_tfm(DihedralItem, points=True)
 def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.experimental.warp_perspective (exact pixel permutation), p={tfm.p}')
-    m,sz = _drawn(g, tfm, 'mat', DihedralParams(tfm.p), lambda: [g.shape(img)], num_outputs=2)
+    m,sz,*pm = _drawn(g, tfm, 'mat', DihedralParams(tfm.p, g.points), lambda: [g.shape(img)], num_outputs=3 if g.points else 2)
+    if g.geom is not None: g.move(PointMap(*[pm[0][i] for i in range(6)]))
     return fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
 
 # %% ../nbs/01b_augment.ipynb #c013
@@ -76,40 +85,65 @@ def _rrc_window(tfm, g, shape):
     return g.cached(tfm, 'window', lambda: fn.random_crop_generator(
         shape, random_area=[tfm.min_scale, tfm.max_scale], random_aspect_ratio=list(tfm.ratio), seed=g.op_seed()))
 
+def _move_rrc(tfm, g, anchor, shape):
+    "Move the points as the window `anchor`, `shape` (y, x) resized to `tfm.size` moves its pixels"
+    if g.geom is None: return
+    (w,h),(ay,ax),(sh,sw) = tfm.size,(dali_float(anchor[0]),dali_float(anchor[1])),(dali_float(shape[0]),dali_float(shape[1]))
+    g.move(PointMap.window(ax, ay, w/sw, h/sh))
+
 def _rrc_decode(tfm, g):
     "Training: decode only the window (`fn.decoders.image_slice`), then resize; None on the validation split"
     if not g.train: return None
     (w,h),(anchor,shape) = tfm.size,_rrc_window(tfm, g, g.peek)
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), '
                           f'fn.decoders.image_slice (decodes the window only), fn.resize to {h}x{w}')
+    _move_rrc(tfm, g, anchor, shape)
     img = g.decode('image_slice', anchor, shape, axes=[0,1])
     return fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True)
 
-@dali_item_tfm(RandomResizedCrop, decode=_rrc_decode)
+@dali_item_tfm(RandomResizedCrop, decode=_rrc_decode, points=True)
 def _random_resized_crop(tfm, img, g):
     w,h = tfm.size
     kw = dict(interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
     if not g.train:
         xtra = math.ceil(max(*tfm.size[:2])*tfm.val_xtra/8)*8
         g.note(tfm, 'native', f'fn.resize to {h+xtra}x{w+xtra}, centre crop in crop_mirror_normalize')
+        if g.geom is not None:  # the whole image resized, then the centre crop: `xtra/2` off each side (xtra is even)
+            H,W = g.hw(img)
+            g.move(PointMap((w+xtra)/dali_float(W), 0., -xtra/2, 0., (h+xtra)/dali_float(H), -xtra/2))
         g.out.crop = (h, w, 0.5, 0.5)
         return fn.resize(img, size=[h+xtra, w+xtra], **kw)
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), fn.slice, fn.resize to {h}x{w}')
     anchor,shape = _rrc_window(tfm, g, g.shape(img))
+    _move_rrc(tfm, g, anchor, shape)
     img = fn.slice(img, anchor, shape, axes=[0,1])
     return fn.resize(img, size=[h,w], **kw)
 
 # %% ../nbs/01b_augment.ipynb #c015
 _centre = 0.5 - 1e-6
 
+def _round(v):
+    "`v` rounded to the nearest integer, halves away from zero, as `fn.crop` places its window (`std::roundf`)"
+    up = dali_float(v >= 0.)
+    return up*dmath.floor(v + 0.5) - (1.-up)*dmath.floor(0.5 - v)
+
+def _move_crop(g, img, size, pos=None):
+    "Move the points as a `size` (w, h) window of `img` at `pos` (`fn.crop`'s), or in the centre with fastai's `//2` (`pos=None`), moves its pixels"
+    if g.geom is None: return
+    (w,h),(H,W) = size,g.hw(img)
+    dy,dx = dali_float(H) - h,dali_float(W) - w
+    y0,x0 = (dmath.floor(dy/2.), dmath.floor(dx/2.)) if pos is None else (_round(pos[0]*dy), _round(pos[1]*dx))
+    g.move(PointMap.window(x0, y0))
+
 def _crop_pad(img, size, pos):
     w,h = size
     return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0)
 
-@dali_item_tfm(RandomCrop)
+@dali_item_tfm(RandomCrop, points=True)
 def _random_crop(tfm, img, g):
     pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (_centre, _centre)
     g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} ' + ('at a random position' if g.train else 'in the centre'))
+    _move_crop(g, img, tfm.size, pos)
     return _crop_pad(img, tfm.size, pos)
 
 # %% ../nbs/01b_augment.ipynb #c016
@@ -122,11 +156,13 @@ class NpCropPad:
 
 def _croppad_python(tfm): return tfm.pad_mode != PadMode.Zeros
 
-@dali_item_tfm(CropPad, python=_croppad_python)
+@dali_item_tfm(CropPad, python=_croppad_python, points=True)
 def _croppad(tfm, img, g):
     if not _croppad_python(tfm):
         g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} in the centre, zero padding')
+        _move_crop(g, img, tfm.size, (_centre, _centre))
         return _crop_pad(img, tfm.size, (_centre, _centre))
+    _move_crop(g, img, tfm.size)
     g.note(tfm, 'python', f'{tfm.pad_mode} padding in np.pad (fn.python_function)')
     mode = {PadMode.Border: 'edge', PadMode.Reflection: 'reflect'}[tfm.pad_mode]
     return fn.python_function(img, function=NpCropPad(tfm.size, mode), output_layouts='HWC')
@@ -200,15 +236,15 @@ def _norm_to_pix(n, align_corners):
     return np.array([[W/2, 0, (W-1)/2], [0, H/2, (H-1)/2], [0,0,1]])
 
 class AffineParams:
-    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws"
-    def __init__(self, tfm, train=True):
-        self.train,self.align = train,tfm.align_corners is not False
+    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; with `points`, also fastai's map of points in [-1, 1] (input -> output)"
+    def __init__(self, tfm, train=True, points=False):
+        self.train,self.align,self.points = train,tfm.align_corners is not False,points
         self.aff = [(affine_draws[f.func][1], f.keywords) for f in tfm.aff_fs]
         self.warps,self.size = list(tfm.coord_fs),tfm.cp_size
         self.n_draws = sum(affine_draws[f.func][0] for f in tfm.aff_fs) + 4*len(self.warps)
 
-    def matrices(self, u, H, W):
-        "(B,3,3) for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,)"
+    def normalized(self, u, H, W):
+        "(B,3,3) in fastai's coordinates in [-1, 1] (output -> input: its sampling grid) for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,)"
         B,d = len(u),_Draws(u)
         m = np.broadcast_to(np.eye(3), (B,3,3)).copy()
         if self.train:
@@ -216,6 +252,11 @@ class AffineParams:
         m[:,0,1] *= H/W; m[:,1,0] *= W/H  # fastai's `_prepare_mat`
         if self.train:
             for w in self.warps: m = _warp_draws(d, w) @ m
+        return m
+
+    def matrices(self, u, H, W, m=None):
+        "(B,3,3) in pixels for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,) (`m`: their `normalized`)"
+        B,m = len(u),(self.normalized(u, H, W) if m is None else m)
         oh,ow = (H,W) if self.size is None else (np.full(B, self.size[0]), np.full(B, self.size[1]))
         to_pix = np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(W,H)])
         from_pix = np.linalg.inv(np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(ow,oh)]))
@@ -224,7 +265,10 @@ class AffineParams:
     def __call__(self, us, shapes):
         sh = np.stack([np.asarray(s[:2], dtype=np.float64) for s in shapes])
         u = np.stack(us) if self.n_draws else np.zeros((len(us),0))
-        return [o.astype(np.float32) for o in self.matrices(u, sh[:,0], sh[:,1])]
+        m = self.normalized(u, sh[:,0], sh[:,1])
+        res = [o.astype(np.float32) for o in self.matrices(u, sh[:,0], sh[:,1], m)]
+        # fastai moves points by the inverse of the grid's map (`TensorPoint.affine_coord`: the warp's inverse, then the affine's)
+        return (res, [o.astype(np.float32) for o in np.linalg.inv(m)]) if self.points else res
 
 # %% ../nbs/01b_augment.ipynb #c025
 _pad = {PadMode.Reflection: ('reflect_101', 'reflect'), PadMode.Border: ('replicate', 'replicate'),
@@ -242,7 +286,9 @@ def _affine(tfm, out):
     if out.normalized or out.post or not _affine_ok(tfm): return not_fused
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train), lambda: [g.shape(img)])
+        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train, points=g.points), lambda: [g.shape(img)],
+                   num_outputs=2 if g.points else 1)
+        if g.points: m,g.batch_geom = m[0],(m[1] if g.geom is not None else g.batch_geom)
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)

@@ -95,7 +95,8 @@ class DaliDataLoaders(DataLoaders):
         kwargs = {**dblock.dls_kwargs, **kwargs, 'verbose': False}
         dls = dsets.dataloaders(path=path, bs=bs, val_bs=val_bs, shuffle=shuffle, device=device, dl_type=DaliDL,
                                 after_item=dblock.item_tfms, after_batch=dblock.batch_tfms, **kwargs)
-        for dl in dls.loaders: dl.dali_inputs()  # label errors (a valid class missing from train) surface now
+        for dl in dls.loaders:  # label errors (a valid class missing from train), targets DaliDL cannot give: now
+            if dl.dali_inputs() is not None: dl.target_plan()
         res = cls(*dls.loaders, path=dls.path, device=dls.device)
         res.skipped = skipped
         return res

@@ -61,10 +61,10 @@ class BuildSpec:
     def device_id(self):
         "DALI's `device_id` for the spec's device (a loader without one runs on DALI's CPU backend)"
         return dali_device_id('cpu' if self.device == 'None' else self.device)
-    def plan(self):
-        "The `DaliPlan` of its transforms"
+    def plan(self, points:bool=False):
+        "The `DaliPlan` of its transforms (`points`: the items have point or box targets, moved with the images)"
         return DaliPlan(self.item_fs, self.batch_fs, mode=pil_mode(self.ds), exact_resize_crop=self.exact_resize_crop,
-                        roi_decode=self.roi_decode)
+                        roi_decode=self.roi_decode, points=points)
 
 # %% ../nbs/03e_feed.ipynb #c008
 @dataclass(frozen=True)
@@ -186,10 +186,10 @@ class PipelineCache:
     def __iter__(self): return iter(list(self.kept.values()))
 
 # %% ../nbs/03e_feed.ipynb #c028
-def _iterator(pipe, inp, source, files, names, py_workers):
+def _iterator(pipe, outputs, source, files, names, py_workers):
     "DALI's iterator over `pipe` (which runs its first batch: errors translated)"
     it_kw = dict(reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL) if source is None else {}
-    try: return DALIGenericIterator(pipe, ['x','y'] + ([] if inp.masks is None else ['m']), auto_reset=False, **it_kw)
+    try: return DALIGenericIterator(pipe, list(outputs), auto_reset=False, **it_kw)
     except RuntimeError as e:
         if 'Workers initialization failed' in str(e): raise DaliPythonError(_workers_failed_msg(py_workers)) from e
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
@@ -248,7 +248,7 @@ class Feed:
         inp = self.inputs_for(spec.ds, spec.num_threads)
         order,shuffle = spec.order,spec.shuffle and spec.order is None
         idxs = list(order) if order is not None else list(range(len(inp))) if shuffle else list(get_idxs())
-        plan,log = spec.plan(),L()
+        plan,log,outputs = spec.plan(points=inp.points),L(),[]
         seeds = BuildSeeds.of(spec, self.pipes.builds_for(spec), self.n_done)
         if inp.masks is not None and (inp.kind == 'python' or plan.fallbacks):
             raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
@@ -275,9 +275,9 @@ class Feed:
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
-                               hw_decoder_load=spec.hw_decoder_load, mask_files=mfiles, **kw)
+                               hw_decoder_load=spec.hw_decoder_load, mask_files=mfiles, names=outputs, **kw)
         track_pipeline(pipe)
-        it = _iterator(pipe, inp, source, files, names, spec.py_workers)
+        it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         self.built = self.pipes.add(BuiltPipeline(pipe, it, plan, log, spec, files, names, source, gather_n))
         self.n_builds += 1
         del prev

@@ -13,13 +13,14 @@ from PIL import Image
 from fastcore.basics import *
 from fastcore.foundation import L
 from fasttransform import compose_tfms
-from fastai.vision.core import PILBase
+from fastai.vision.core import PILBase, PILMask, TensorPoint
 from .core import *
 from .formats import *
 from .errors import *
 
 # %% auto #0
-__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'MaskFiles', 'y_targets', 'DaliInputs']
+__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'MaskFiles', 'Ragged', 'y_targets', 'target_types',
+           'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
 def _created_cls(f):
@@ -136,29 +137,63 @@ def _encode(tl, i, f):
 
 class MaskFiles(list): "Paths of the mask of each item, decoded by DALI alongside the images"
 
+class Ragged:
+    "Targets of different lengths (e.g. a `BBoxBlock`'s boxes, a `BBoxLblBlock`'s labels): every item's rows in one tensor, and where each item's start"
+    def __init__(self, values:torch.Tensor, offsets:torch.Tensor): store_attr()
+    @classmethod
+    def of(cls, ts):
+        "The tensors `ts` (one an item, rows along the first axis)"
+        lens = torch.tensor([len(t) for t in ts], dtype=torch.long)
+        return cls(torch.cat(list(ts)), torch.cat([lens.new_zeros(1), lens.cumsum(0)]))
+    def __len__(self): return len(self.offsets) - 1
+    @property
+    def lengths(self): return self.offsets[1:] - self.offsets[:-1]
+    def to(self, device): return Ragged(self.values.to(device), self.offsets.to(device))
+    def gather(self, idx, fill=0):
+        "Items `idx` as one tensor padded with `fill` to the longest of them, and their lengths"
+        start,n = self.offsets[idx],self.lengths[idx]
+        k = int(n.max()) if len(n) else 0   # (the batch's shape depends on its items: one read of the lengths)
+        j = torch.arange(k, device=idx.device)
+        valid = j < n[:,None]
+        rows = self.values[torch.where(valid, start[:,None] + j, 0).clamp(max=max(len(self.values)-1, 0))] if len(self.values) else \
+               self.values.new_zeros((len(idx), k, *self.values.shape[1:]))
+        rows = torch.where(valid.view(*valid.shape, *[1]*(rows.dim()-2)), rows, rows.new_full((), fill))
+        return rows,n
+
+def _target_class(tl):
+    "The `PILBase` class the transforms of target list `tl` create (an image target), or None"
+    return next((c for c in map(_created_cls, getattr(getattr(tl, 'tfms', None), 'fs', [])) if c is not None), None)
+
 def y_targets(ds, files):
-    "fastai's encoded targets of every item of `ds`, one stacked tensor per target (none for an unlabelled set)"
+    "fastai's encoded targets of every item of `ds`: per target, one stacked tensor, `Ragged` when their lengths differ (none for an unlabelled set)"
     if not hasattr(ds, 'tls'): return ()
     n_inp = getattr(ds, 'n_inp', 1)
     if n_inp != 1: raise ValueError(f"DaliDL loads one image input per item, but this dataset has n_inp={n_inp}")
     res = []
     for tl in ds.tls[1:]:
-        if pil_mode(tl, None):  # an image target (MaskBlock): its files, read by a second reader in lock-step
+        c = _target_class(tl)
+        if c is not None and not issubclass(c, PILMask):
+            raise NotImplementedError(f"a target that is an image ({c.__name__}, an ImageBlock): DaliDL loads one image per "
+                                      "item and masks (MaskBlock) as targets. Use fastai's `DataBlock.dataloaders` for this one.")
+        if c is not None:  # an image target (MaskBlock): its files, read by a second reader in lock-step
             masks = x_sources(tl)
             if not isinstance(masks, list) or len(masks) != len(files):
                 raise NotImplementedError("DaliDL reads masks from files only (a `get_y` giving a path per item)")
             res.append(MaskFiles(masks)); continue
         ys = [_encode(tl, i, f) for i,f in enumerate(files)]
-        try: res.append(torch.stack(ys) if ys else torch.empty(0))
-        except RuntimeError:
-            raise TypeError(f"DaliDL stacks each target into one tensor, but targets have different shapes: "
-                            f"{files[0]} -> {tuple(ys[0].shape)}, e.g. {next(f for f,y in zip(files,ys) if y.shape != ys[0].shape)}") from None
+        same = all(y.shape == ys[0].shape for y in ys)
+        res.append(Ragged.of(ys) if not same and all(y.dim() >= 1 for y in ys) else torch.stack(ys) if ys else torch.empty(0))
     return tuple(res)
+
+def target_types(ds):
+    "The fastai type of each target of `ds` (e.g. `TensorCategory`, `TensorPoint`), from its first item; `PILMask` for masks"
+    if not hasattr(ds, 'tls') or not len(ds): return ()
+    return tuple(_target_class(tl) or type(tl[0]) for tl in ds.tls[1:])
 
 # %% ../nbs/03c_items.ipynb #c015
 class DaliInputs:
     "What DALI reads for a dataset: its images (`files` for DALI's reader, or `python`, a `PythonSource`), fastai's encoded `targets`, and each item's `names` for errors"
-    def __init__(self, files=None, python:PythonSource=None, targets:tuple=(), names=()):
+    def __init__(self, files=None, python:PythonSource=None, targets:tuple=(), names=(), types:tuple=()):
         if (files is None) == (python is None): raise ValueError("DaliInputs reads files or a PythonSource: give one of them")
         store_attr()
     @property
@@ -169,6 +204,10 @@ class DaliInputs:
     def masks(self):
         "The items' mask files (a `MaskBlock` target), or None"
         return next((t for t in self.targets if isinstance(t, MaskFiles)), None)
+    @property
+    def points(self):
+        "Whether a target holds coordinates that move with the image (`TensorPoint`, `TensorBBox`)"
+        return any(isinstance(t, type) and issubclass(t, TensorPoint) for t in self.types)
     def __len__(self): return len(self.names)
 
     @classmethod
@@ -178,6 +217,6 @@ class DaliInputs:
         if src is None: return None
         if isinstance(src, PythonSource):
             names = [src.name(i) for i in range(len(src))]
-            return cls(python=src, targets=y_targets(ds, names), names=names)
+            return cls(python=src, targets=y_targets(ds, names), names=names, types=target_types(ds))
         targets = y_targets(ds, src)  # (label errors before the files' check)
-        return cls(files=dali_files(src, pil_mode(ds), num_threads), targets=targets, names=src)
+        return cls(files=dali_files(src, pil_mode(ds), num_threads), targets=targets, names=src, types=target_types(ds))

@@ -16,6 +16,7 @@ from fastai.data.core import TfmdDL
 from .core import *
 from .items import *
 from .feed import *
+from .targets import *
 
 # %% auto #0
 __all__ = ['DaliReport', 'DaliDL']
@@ -126,21 +127,28 @@ class DaliDL(TfmdDL):
         if len(self) == 0: return  # e.g. bs > n with drop_last: fastai yields nothing, and DALI cannot run an empty epoch
         self._order = self._custom_order()
         if self._order is not None and not self._order: return  # a replaced `get_idxs` gave no items
-        b = self.feed.ready(self.spec(), self.get_idxs)
+        spec = self.spec()
+        tp = self.target_plan(spec)  # (a target DaliDL cannot give as fastai does: refused before the pipeline is built)
+        b = self.feed.ready(spec, self.get_idxs)
         for d,k in self.feed.epoch(b):
-            x = self._to_fastai(d, b.plan)
+            x = self._to_fastai(d, b.plan, tp)
             yield x if k == len(x[0]) else tuple(o[:k] for o in x)  # the padding DALI adds, trimmed
         self.after_iter()
 
-    def _to_fastai(self, d, plan):
-        "fastai's batch from DALI's outputs `d`: the targets looked up by item index, fastai's types, this device, the batch transforms DALI did not run"
+    def target_plan(self, spec:BuildSpec=None):
+        "How this loader's targets come out of DALI (`TargetPlan`); raises where DaliDL cannot give them as fastai does"
+        inp = self.dali_inputs()
+        return TargetPlan.of(inp, ifnone(spec, self.spec()).plan(points=inp.points), self.before_batch.fs)
+
+    def _to_fastai(self, d, plan, tp:TargetPlan):
+        "fastai's batch from DALI's outputs `d`: the targets by item index (points and boxes moved), fastai's types, this device, the batch transforms DALI did not run"
         idx = d['y'].view(-1).long()
         mask = lambda: d['m'][...,0].long() // plan.out.div_mask  # (B,H,W), as fastai's IntToFloatTensor leaves a TensorMask
-        b = (d['x'],) + tuple(mask() if isinstance(t, MaskFiles) else t[idx] for t in self.feed.targets(idx.device))
+        b = (d['x'],) + tp.batch(self.feed.targets(idx.device), idx, d, mask)
         if not getattr(self, '_types', None): self._one_pass()
         b = retain_types(b, typs=self._types)
         if self.device is not None: b = to_device(b, self.device)
-        return compose_tfms(b, tfms=plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
+        return tp.run_rest(b, plan.rest, split_idx=getattr(self.dataset, 'split_idx', None)) if plan.rest else b
 
     def dali_report(self):
         "DataFrame of (stage, transform, how, detail) for this loader's transforms"
@@ -148,5 +156,6 @@ class DaliDL(TfmdDL):
             return DaliReport([('all', 'fastai', 'fastai', 'items are not files: fastai loads them')], columns=DaliReport.cols)
         self._order = self._custom_order()
         spec = self.spec()
+        tp = self.target_plan(spec)
         b = self.feed.kept(spec) or self.feed.build(spec, self.get_idxs)
-        return DaliReport(b.plan.report(b.log), columns=DaliReport.cols)
+        return DaliReport(b.plan.report(b.log) + tp.report(), columns=DaliReport.cols)

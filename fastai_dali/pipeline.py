@@ -13,13 +13,14 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'fastai_pipeline']
+__all__ = ['DaliPlan', 'pipeline_outputs', 'fastai_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 class DaliPlan:
     "Translation of a loader's `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
-    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False, roi_decode=None):
-        store_attr('mode,exact_resize_crop,roi_decode')
+    def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False, roi_decode=None, points=False):
+        # `points`: the items have point or box targets: the graph returns the maps that move them (`outputs`)
+        store_attr('mode,exact_resize_crop,roi_decode,points')
         item_tfms,batch_tfms = L(item_tfms),L(batch_tfms)
         self.items = L(zip(item_tfms, item_tfms.map(item_translation)))  # (item transform, its `ItemTranslation`)
         on_cpu = [tr.python(t) for t,tr in self.items]
@@ -50,6 +51,7 @@ class DaliPlan:
         # a first step may decode only what it needs (`ItemTranslation.decode`); by default on DALI's CPU backend, where
         # it was measured (`roi_decode`; docs/results/README.md, "Augmentations")
         roi = ifnone(self.roi_decode, not gpu)
+        kw['points'] = self.points
         if images is None: return DaliGraph(train=train, gpu=gpu, mode=self.mode, out=self.out, decoder=decoder, roi_decode=roi, **kw)
         return DaliGraph(train=train, gpu=False, mode='L', is_mask=True, rand=images.rand, out=OutputSpec(1), **kw)
 
@@ -62,14 +64,28 @@ class DaliPlan:
             else:
                 if img is None: img = g.decode()
                 if not tr.keeps_crop: img = g.out.flush_crop(img)
-                img = tr.f(t, img, g)
+                img = self._step(t, tr, img, g)
             if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU
         return g.decode() if img is None else img
+
+    def _step(self, t, tr, img, g):
+        "Item transform `t` by its translation `tr`: a step that does not move points keeps them in [-1, 1] once `PointScaler` ran (fastai's `Transform` leaves a type it has no `encodes` for alone)"
+        if g.geom is None or tr.points or not g.scaled: return tr.f(t, img, g)
+        (H0,W0),img = g.hw(img),tr.f(t, img, g)
+        H1,W1 = g.hw(img)
+        g.move(PointMap(dali_float(W1)/dali_float(W0), 0., 0., 0., dali_float(H1)/dali_float(H0), 0.))
+        return img
+
+    def _item_geom(self, img, g):
+        "The item steps' map of the points, to [-1, 1] of the images `img` they end with (or of the crop left to the output op): 6 floats a sample"
+        h,w = g.out.crop[:2] if g.out.crop is not None else g.hw(img)
+        return (PointMap.normalize(dali_float(h), dali_float(w)) @ g.geom).node(like=g.hw(img)[0])
 
     def __call__(self, img, g):
         "Apply the item translations, the batch stages and the output op to the images `img` (None: `g`'s encoded ones), in `g` (from `graph`)"
         if g.out is not self.out: raise ValueError("`g` is not this plan's images' graph: make it with `plan.graph`")
         img = self._item_steps(img, g)
+        if g.geom is not None: g.item_geom = self._item_geom(img, g)
         stages = [s for s in self.out.stages if s.runs(g)]  # a training-only stage is skipped, with the crop flush it needs
         if stages: img = self.out.flush_crop(img)
         for s in stages: img = s(img, g)
@@ -102,13 +118,22 @@ def _window_kw(op, mixed):
     # decoded whole, as PIL decodes them)
     return dict(jpeg_fancy_upsampling=False) if mixed and op == 'image_slice' else {}
 
+# %% ../nbs/02_pipeline.ipynb #c005y
+def pipeline_outputs(img, y, masks, g:DaliGraph):
+    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, the maps of the points: `gi` (item steps, 6 floats a sample), `gb` (a batch stage's homography, 3x3)"
+    res = dict(x=img, y=y)
+    if masks is not None: res['m'] = masks
+    if g.item_geom is not None: res['gi'] = g.item_geom
+    if g.batch_geom is not None: res['gb'] = g.batch_geom
+    return res
+
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None):
-    "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`)"
+                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None):
+    "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`)"
     pipe = Pipeline.current()
     gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
@@ -141,9 +166,12 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     g = plan.graph(train, gpu, peek=fn.peek_image_shape(jpegs, adjust_orientation=False), decoder=decoder, seed=graph_seed)
     img = plan(None, g)
     if log is not None: log.extend(g.log)
-    if mask_files is None: return img, (y.gpu() if gpu else y)
-    # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
-    mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
-    m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
-    m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
-    return img, (y.gpu() if gpu else y), (m.gpu() if gpu else m)
+    m = None
+    if mask_files is not None:
+        # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
+        mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
+        m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
+        m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
+    outs = pipeline_outputs(img, y, m, g)
+    if names is not None: names.extend(outs)
+    return tuple(o.gpu() if gpu and o.device == 'cpu' else o for o in outs.values())

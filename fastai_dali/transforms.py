@@ -16,12 +16,13 @@ from fastai.vision.augment import Resize, ResizeMethod, PadMode
 from fastai.data.transforms import ToTensor, IntToFloatTensor, Normalize
 from .core import *
 from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['not_fused', 'ItemTranslation', 'dali_item_tfm', 'BatchResult', 'fused', 'dali_batch_tfm', 'batch_translation',
-           'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'np_crop_pad', 'crop_window',
-           'PythonItemTfm', 'python_item_tfm', 'item_translation']
+           'PointMap', 'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'np_crop_pad', 'crop_window',
+           'dali_float', 'PythonItemTfm', 'python_item_tfm', 'item_translation']
 
 # %% ../nbs/01_transforms.ipynb #c005
 def _never(tfm): return False
@@ -36,6 +37,9 @@ class ItemTranslation:
     # `decode(tfm, g)->img or None`: as the first step, `f` on the encoded images, decoding only what it needs (e.g.
     # a crop window: `g.decode('image_slice', ...)`); None where it cannot (then the images are decoded whole first)
     decode: Callable = None
+    # `f` moves the items' points with the images (`g.move`), or moves no pixel: points may go through it (a transform
+    # without it that fastai also runs on points is refused, `fastai_dali.targets`)
+    points: bool = False
 
 _item_translations, _batch_translations = {}, {}
 
@@ -45,10 +49,10 @@ def _lookup(reg, tfm):
         if c in reg: return reg[c]
 
 # %% ../nbs/01_transforms.ipynb #c006
-def dali_item_tfm(*tfm_types, python=None, keeps_crop=False, decode=None):
+def dali_item_tfm(*tfm_types, python=None, keeps_crop=False, decode=None, points=False):
     "Decorator: register `f(tfm, img, g)->img` as the DALI translation of item transforms of `tfm_types` (and subclasses)"
     def _inner(f):
-        tr = ItemTranslation(f, python or _never, keeps_crop, decode)
+        tr = ItemTranslation(f, python or _never, keeps_crop, decode, points)
         for t in tfm_types: _item_translations[t] = tr
         return f
     return _inner
@@ -79,11 +83,47 @@ def batch_translation(tfm):
     "The batch translation `f(tfm, out)` registered for `tfm`'s class, or None"
     return _lookup(_batch_translations, tfm)
 
+# %% ../nbs/01_transforms.ipynb #c010q
+def _num(v): return not isinstance(v, DataNode)
+def _mul(x, y):
+    if _num(x) and _num(y): return x*y
+    if _num(x) and x == 0 or _num(y) and y == 0: return 0.
+    if _num(x) and x == 1: return y
+    return x if _num(y) and y == 1 else x*y
+def _add(x, y):
+    if _num(x) and _num(y): return x+y
+    if _num(x) and x == 0: return y
+    return x if _num(y) and y == 0 else x+y
+
+class PointMap:
+    "A per-sample affine map of pixel coordinates, `x' = a*x + b*y + c`, `y' = d*x + e*y + f`: each entry a number or a DataNode"
+    def __init__(self, a=1., b=0., c=0., d=0., e=1., f=0.): self.m = (a,b,c,d,e,f)
+    @classmethod
+    def window(cls, x0=0., y0=0., sx=1., sy=1.):
+        "Cut the window whose top left corner is `(x0, y0)`, then scale it by `sx`, `sy`: a crop (or pad) and a resize"
+        return cls(sx, 0., _mul(-1., _mul(x0, sx)), 0., sy, _mul(-1., _mul(y0, sy)))
+    @classmethod
+    def normalize(cls, h, w):
+        "Pixels of an image of height `h`, width `w` to fastai's `[-1, 1]` (`PointScaler`: pixel 0 -> -1, pixel `w` -> 1)"
+        return cls(2./w, 0., -1., 0., 2./h, -1.)
+    def __matmul__(self, o):
+        "This map after `o`"
+        (a,b,c,d,e,f),(A,B,C,D,E,F) = self.m,o.m
+        return PointMap(_add(_mul(a,A),_mul(b,D)), _add(_mul(a,B),_mul(b,E)), _add(_add(_mul(a,C),_mul(b,F)),c),
+                        _add(_mul(d,A),_mul(e,D)), _add(_mul(d,B),_mul(e,E)), _add(_add(_mul(d,C),_mul(e,F)),f))
+    def numpy(self):
+        "The 2x3 matrix (entries that are numbers only)"
+        return np.array(self.m, dtype=np.float64).reshape(2,3)
+    def node(self, like):
+        "The six entries as one float32 DataNode per sample (`like`: a per-sample DataNode that the constant entries are built on)"
+        z = fn.cast(like, dtype=types.FLOAT)*0.
+        return fn.stack(*[fn.cast(v if isinstance(v, DataNode) else z + float(v), dtype=types.FLOAT) for v in self.m])
+
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
     "State of the DALI graph being built, handed to each item translation and each batch `Stage`"
     def __init__(self, train:bool, gpu:bool, mode='RGB', decoded=None, peek=None, is_mask=False, rand=None,
-                 exact_resize_crop=False, out=None, decoder=None, roi_decode=False, seed:int=None):
+                 exact_resize_crop=False, out=None, decoder=None, roi_decode=False, seed:int=None, points=False):
         # `decoder(op, *inputs, **kw)`: a `fn.decoders` op on the encoded images (`decode`), for a graph that decodes itself;
         # `seed`: the pipeline's (`BuildSeeds.pipeline`), which the random ops' seeds derive from (None: DALI's own)
         store_attr('train,gpu,mode,decoded,peek,is_mask,exact_resize_crop,decoder,roi_decode,seed')
@@ -91,6 +131,12 @@ class DaliGraph:
         self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
         self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
         self.log = L()
+        # `points`: the loader has point or box targets, which move with the images (masks share the draws, not the map)
+        self.points = points
+        self.geom = PointMap() if points and not is_mask else None  # the item steps' map of the points so far (`move`)
+        self.scaled = False      # `PointScaler` has run: later steps that do not move points keep them in [-1, 1]
+        self.item_geom = None    # the item steps' map, pixels of the decoded image -> [-1, 1] of the item (`DaliPlan`)
+        self.batch_geom = None   # a batch stage's per-sample homography of the points in [-1, 1] (an affine warp)
     def uniform(self, tfm, key):
         "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
         return self.cached(tfm, key, lambda: fn.random.uniform(range=[0.,1.]))
@@ -120,6 +166,9 @@ class DaliGraph:
         "Current height and width of `img`, as CPU int DataNodes"
         sh = self.shape(img)
         return sh[0], sh[1]
+    def move(self, pm:PointMap):
+        "Move the points with the images: `pm` (pixels before the step -> after it) after the steps so far (a graph without points: nothing)"
+        if self.geom is not None: self.geom = pm @ self.geom
     def note(self, tfm, how, detail=''):
         "Record for `dali_report` how `tfm` runs (`how`: 'native' or 'python'); masks, which repeat the images' steps, do not"
         if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))
@@ -175,7 +224,7 @@ class OutputSpec:
         return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=py, crop_pos_x=px)
 
 # %% ../nbs/01_transforms.ipynb #c014
-@dali_item_tfm(ToTensor, keeps_crop=True)
+@dali_item_tfm(ToTensor, keeps_crop=True, points=True)
 def _to_tensor(tfm, img, g):
     g.out.chw = True
     g.note(tfm, 'native', 'HWC->CHW in crop_mirror_normalize')
@@ -184,8 +233,21 @@ def _to_tensor(tfm, img, g):
 # %% ../nbs/01_transforms.ipynb #c016
 from fastai.vision.data import AddMaskCodes
 
-@dali_item_tfm(AddMaskCodes)
+@dali_item_tfm(AddMaskCodes, points=True)
 def _add_mask_codes(tfm, img, g): return img
+
+# %% ../nbs/01_transforms.ipynb #c016q
+from fastai.vision.core import PointScaler
+from fastai.vision.data import BBoxLabeler
+
+@dali_item_tfm(PointScaler, keeps_crop=True, points=True)
+def _point_scaler(tfm, img, g):
+    g.scaled = True
+    g.note(tfm, 'native', f"points: to [-1, 1] in the per-sample map of the item steps{', y_first' if tfm.y_first else ''} (moved on the device)")
+    return img
+
+@dali_item_tfm(BBoxLabeler, keeps_crop=True, points=True)
+def _bbox_labeler(tfm, img, g): return img
 
 # %% ../nbs/01_transforms.ipynb #c018
 _interp = {Image.Resampling.BILINEAR: types.INTERP_LINEAR, Image.Resampling.NEAREST: types.INTERP_NN,
@@ -244,7 +306,15 @@ def crop_window(tfm, shape):
 # %% ../nbs/01_transforms.ipynb #c022
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
 
-@dali_item_tfm(Resize, python=_reflect_pad)
+def dali_float(x):
+    "`x` as float32: a DataNode cast, a number as a Python float"
+    return fn.cast(x, dtype=types.FLOAT) if isinstance(x, DataNode) else float(x)
+
+def _move_window(g, y0, x0, ch, cw, h, w):
+    "Move the points as the window `(y0, x0, ch, cw)` (pixels of the image before) resized to `h` x `w` moves its pixels"
+    g.move(PointMap.window(dali_float(x0), dali_float(y0), w/dali_float(cw), h/dali_float(ch)))
+
+@dali_item_tfm(Resize, python=_reflect_pad, points=True)
 def _resize(tfm, img, g):
     w,h = tfm.size
     kw = dict(size=[h,w], interp_type=dali_interp(tfm.mode_mask if g.is_mask else tfm.mode), antialias=True)
@@ -252,10 +322,15 @@ def _resize(tfm, img, g):
     if tfm.method == ResizeMethod.Crop and not g.exact_resize_crop:
         g.note(tfm, 'native', f'window from fn.random_crop_generator, fn.crop (truncated position), fn.resize to {h}x{w}')
         win = g.cached(tfm, 'window', lambda: crop_window(tfm, g.shape(img)))
+        if g.geom is not None:  # where `fn.crop` puts the window: `trunc(pos*(W-cw))`, in its float32
+            H,W = g.hw(img)
+            ch,cw = win[0],win[1]
+            _move_window(g, dmath.floor(pos[0]*(dali_float(H)-ch)), dmath.floor(pos[1]*(dali_float(W)-cw)), ch, cw, h, w)
         img = fn.crop(img, crop=win, crop_pos_y=pos[0], crop_pos_x=pos[1], rounding='truncate')
         return fn.resize(img, **kw)
     H,W = g.hw(img)
     y0,x0,ch,cw = resize_window(tfm, H, W, pos)
+    _move_window(g, y0, x0, ch, cw, h, w)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
         return fn.resize(img, **kw)
