@@ -10,7 +10,8 @@ import pandas as pd
 from fastcore.basics import *
 from fastcore.meta import delegates
 from fasttransform import compose_tfms
-from fastai.torch_core import to_device, retain_types
+from fastai.torch_core import to_device, retain_types, TensorImage, TensorMask
+from fastai.vision.core import PILMask
 from fastai.data.load import DataLoader
 from fastai.data.core import TfmdDL
 from .core import *
@@ -134,6 +135,14 @@ class DaliDL(TfmdDL):
             x = self._to_fastai(d, b.plan, tp)
             yield x if k == len(x[0]) else tuple(o[:k] for o in x)  # the padding DALI adds, trimmed
         self.after_iter()
+
+    def _one_pass(self):
+        "fastai's types of a batch, from fastai's own pipeline on one item; where that cannot run (fastai's `CropPad` on points), the types DaliDL gives"
+        try: return super()._one_pass()
+        except Exception:
+            inp = self.dali_inputs()
+            if inp is None or not inp.points: raise
+            self._n_inp,self._types = 1,{tuple: [TensorImage] + [TensorMask if t is PILMask else t for t in inp.types]}
 
     def target_plan(self, spec:BuildSpec=None):
         "How this loader's targets come out of DALI (`TargetPlan`); raises where DaliDL cannot give them as fastai does"

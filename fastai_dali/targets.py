@@ -176,11 +176,12 @@ def batch(self:TargetPlan, targets, idx, d, mask=None):
     return tuple(res)
 
 # %% ../nbs/03ca_targets.ipynb #c021
-def _crop_points(p, tl, cp, H, W):
-    "Points `p` in [-1, 1] of an image `H` x `W` in [-1, 1] of its window at `tl` (y, x) of size `cp` (h, w)"
-    x = ((p[..., 0] + 1)*W/2 - tl[1])*2/cp[1] - 1
-    y = ((p[..., 1] + 1)*H/2 - tl[0])*2/cp[0] - 1
-    return torch.stack([x, y], -1)
+def _crop_points(p, tl, cp, H, W, size):
+    "Points `p` in [-1, 1] of an image `H` x `W` in [-1, 1] of its window at `tl` (y, x) of `cp` (h, w) pixels resized to `size` (h, w) as `F.grid_sample(align_corners=True)` resizes it: the first and last pixels' centres stay in place"
+    def axis(v, n, t, c, s):
+        j = ((v + 1)*n/2 - 0.5 - t)*(s - 1)/max(c - 1, 1)   # the centre of pixel `j` of the output
+        return (j + 0.5)*2/s - 1
+    return torch.stack([axis(p[..., 0], W, tl[1], cp[1], size[1]), axis(p[..., 1], H, tl[0], cp[0], size[0])], -1)
 
 @patch
 def run_rest(self:TargetPlan, b, rest, split_idx=None):
@@ -189,7 +190,7 @@ def run_rest(self:TargetPlan, b, rest, split_idx=None):
         if not (self.points and isinstance(t, RandomResizedCropGPU)):
             b = t(b, split_idx=split_idx); continue
         (H,W),new = b[0].shape[-2:],t(b, split_idx=split_idx)
-        mv = lambda p: _crop_points(p, t.tl, t.cp_size, H, W)
+        mv = lambda p: _crop_points(p, t.tl, t.cp_size, H, W, t.size)
         b = (new[0],) + tuple(retain_type(mv(y) if k == 'points' else mv(y.view(*y.shape[:-1], 2, 2)).view(y.shape), y)
                               if k in _coords else o for k,y,o in zip(self.kinds, b[1:], new[1:]))
     return b
