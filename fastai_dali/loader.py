@@ -55,6 +55,7 @@ class DaliDL(TfmdDL):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
+        refuse_unscaled_crops(kwargs.get('after_item'))  # (before fastai's setup fails on them)
         super().__init__(dataset, bs=bs, shuffle=shuffle, **kwargs)
         if num_threads is None: num_threads = default_num_threads()
         if py_workers is None: py_workers = min(8, default_num_threads())

@@ -28,13 +28,16 @@ class DaliPlan:
         self.fallbacks = [t for t,tr in self.items if tr.f is python_item_tfm]  # no translation: fastai's own, per image
         self.n_cpu = max([i+1 for i,p in enumerate(on_cpu) if p], default=0)  # item steps up to the last Python one
         self.out = OutputSpec(1 if mode=='L' else 3)
-        self.details = self._fuse(batch_tfms)
-        n = len(self.details)  # only a leading run of batch transforms can be fused: the rest must see DALI's output
+        self.results = self._fuse(batch_tfms)  # the `BatchResult` of each fused one
+        n = len(self.results)  # only a leading run of batch transforms can be fused: the rest must see DALI's output
         self.fused,self.rest = batch_tfms[:n],batch_tfms[n:]
 
+    @property
+    def details(self): return [r.detail for r in self.results]
+
     def _fuse(self, batch_tfms):
-        "Fuse batch transforms into `self.out` until one cannot be: the `detail` of each fused one"
-        details = []
+        "Fuse batch transforms into `self.out` until one cannot be: the `BatchResult` of each fused one"
+        results = []
         for t in batch_tfms:
             f = batch_translation(t)
             res = not_fused if f is None else f(t, self.out)
@@ -42,8 +45,8 @@ class DaliPlan:
                 raise TypeError(f"The batch translation of {type(t).__name__} returned {res!r}: a batch translation "
                                 "returns `fused(detail)` or `not_fused`")
             if not res.fused: break
-            details.append(res.detail)
-        return details
+            results.append(res)
+        return results
 
     def graph(self, train, gpu, decoded=None, peek=None, images=None, decoder=None, seed=None):
         "The `DaliGraph` of the images `decoded`, or decoded by `decoder` (shapes `peek`, from the files), or of their masks given the `images`' graph; its random ops' seeds derive from `seed`"

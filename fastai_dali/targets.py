@@ -12,13 +12,14 @@ from fastcore.basics import *
 from fasttransform import ItemTransform
 from fastai.torch_core import TensorMultiCategory, retain_type
 from fastai.vision.core import TensorPoint, TensorBBox, PointScaler, PILMask
-from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU
+from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU, CropPad
 from fastai.vision.data import bb_pad
 from .transforms import *
 from .items import *
 
 # %% auto #0
-__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'move_points', 'move_boxes', 'bb_pad_batch']
+__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'refuse_unscaled_crops', 'move_points', 'move_boxes',
+           'bb_pad_batch']
 
 # %% ../nbs/03ca_targets.ipynb #c005
 def _accepts(ann, typ):
@@ -104,6 +105,14 @@ class TargetPlan:
                    any(k in _coords for k in kinds) and any(isinstance(t, AffineCoordTfm) for t in plan.fused))
 
 # %% ../nbs/03ca_targets.ipynb #c014
+def refuse_unscaled_crops(item_tfms):
+    "Refuse `CropPad` on points or boxes (with `PointScaler`): fastai's own loaders fail on them in their setup, before any batch"
+    fs = list(getattr(item_tfms, 'fs', item_tfms) or [])
+    crop = next((t for t in fs if isinstance(t, CropPad)), None)
+    if crop is not None and any(isinstance(t, PointScaler) for t in fs): raise _refuse(TensorPoint, crop,
+        "runs before `PointScaler` (order 0), on points still in pixels with no size: fastai's own loaders fail on them in "
+        "their setup. `Resize(size, method='pad', pad_mode='zeros')` or `RandomCrop` crops and pads them instead")
+
 def _check_steps(T, kind, plan:DaliPlan):
     "Raise where a transform DALI runs changes targets of type `T` (of `kind`) in fastai and DaliDL cannot do as it does"
     coords = kind in _coords
@@ -119,8 +128,8 @@ def _check_steps(T, kind, plan:DaliPlan):
             raise _refuse(T, t, "changes them in fastai (an `encodes` for that type), but its DALI translation moves the image only")
     if sum(isinstance(t, AffineCoordTfm) for t in plan.fused) > 1 and coords:
         raise _refuse(T, plan.fused[1], "is a second affine warp fused into DALI: one warp's homographies move the points")
-    for t in plan.fused:
-        if changes(t, T) and not (coords and isinstance(t, AffineCoordTfm)):
+    for t,r in zip(plan.fused, plan.results):
+        if changes(t, T) and not r.targets and not (coords and isinstance(t, AffineCoordTfm)):
             raise _refuse(T, t, "changes them in fastai (an `encodes` for that type), but its DALI translation changes the image only")
 
 # %% ../nbs/03ca_targets.ipynb #c017

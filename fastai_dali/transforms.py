@@ -63,11 +63,14 @@ class BatchResult:
     "A batch translation's answer: whether it took its transform into the DALI graph (`fused`), and how (`detail`)"
     fused: bool
     detail: str = ''
+    # the loader does to the targets what the transform does to them (e.g. `Cuda`: every part on the loader's device):
+    # else a transform that fastai runs on a target type (an `encodes` for it) is refused for it (`fastai_dali.targets`)
+    targets: bool = False
     def __bool__(self): return self.fused
 
-def fused(detail='fused in crop_mirror_normalize'):
-    "The `BatchResult` of a batch translation that took its transform over; `detail` is its row in `dali_report`"
-    return BatchResult(True, detail)
+def fused(detail='fused in crop_mirror_normalize', targets=False):
+    "The `BatchResult` of a batch translation that took its transform over; `detail` is its row in `dali_report`, `targets`: its effect on the targets is the loader's"
+    return BatchResult(True, detail, targets)
 
 not_fused = BatchResult(False)  # a batch translation that cannot take its transform: fastai runs it, and all after it
 
@@ -431,4 +434,4 @@ if _fastai_lacks('Cuda'):
     @dali_batch_tfm(Cuda)
     def _cuda(tfm, out):
         # DALI's batches are already on the loader's device: nothing to do, unless `tfm` names another device
-        return fused("no-op: DALI's batches are on the loader's device") if tfm.device is None else not_fused
+        return fused("no-op: DALI's batches are on the loader's device", targets=True) if tfm.device is None else not_fused

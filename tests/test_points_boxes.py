@@ -289,6 +289,8 @@ def test_refusals(root):
     db = DataBlock(blocks=(ImageBlock, BBoxBlock), get_items=get_image_files, splitter=GrandparentSplitter(), get_y=boxes, item_tfms=Resize(32))
     with pytest.raises(TypeError, match='clip_remove_empty'): db.dataloaders(root, bs=4)   # fastai's own fail with its TypeError
     with pytest.raises(NotImplementedError, match='bb_pad pads'): db.dali_dataloaders(root, bs=4, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=r'TensorPoint targets \(PointBlock\).*CropPad runs before `PointScaler`'):
+        point_block([CropPad(48), Resize(32)]).dali_dataloaders(root, bs=4, device=DEVICE)
     with pytest.raises(NotImplementedError, match='runs no before_batch'):
         point_block(Resize(32)).dali_dataloaders(root, bs=4, device=DEVICE, before_batch=lambda b: b)
 
@@ -302,3 +304,28 @@ def test_report_and_show_batch(root):
     assert r[r['transform'] == 'PointScaler']['how'].tolist() == ['native']
     dls.show_batch(max_n=4)
     point_block(Resize(32)).dali_dataloaders(root, bs=4, device=DEVICE).show_batch(max_n=4)
+
+def test_decoded_like_fastai(root):
+    """`show_batch` draws what `decode_batch` gives: the points and boxes in pixels of the shown image, as fastai's"""
+    for db in (point_block(Resize(32)), box_block(Resize(32))):
+        set_seed(0)
+        a = db.dataloaders(root, bs=6, device='cpu', num_workers=0)
+        b = db.dali_dataloaders(root, bs=6, device=DEVICE)
+        da,dd = a.valid.decode_batch(a.valid.one_batch()),b.valid.decode_batch(b.valid.one_batch())
+        assert len(da) == len(dd) == 6
+        for (_,*ya),(_,*yd) in zip(da, dd):
+            for u,v in zip(ya, yd):
+                if isinstance(u, torch.Tensor): torch.testing.assert_close(plain(v), plain(u), atol=1e-3, rtol=0)
+                else: assert list(map(str, v)) == list(map(str, u)) or torch.allclose(plain(v[0]), plain(u[0]), atol=1e-3)
+
+class Halve(Transform):
+    "A user's item transform fastai runs on the image only (no `encodes` for points): it keeps them where they are in [-1, 1]"
+    order = 5
+    def encodes(self, x:PILImage): return x.resize((x.size[0]//2, x.size[1]//2))
+
+def test_untranslated_step_keeps_points_in_place(root):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # (Halve runs in Python: DaliDL warns)
+        (xa,pa),(xb,pb) = both(point_block([Resize(32), Halve()]), root)
+    assert xb.shape[-2:] == (16, 16)
+    torch.testing.assert_close(pb, pa, atol=1e-4, rtol=0)
