@@ -21,8 +21,8 @@ __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'GOALS', 'raw_dali_pipeline', 'raw_da
            'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
            'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace',
            'memory_over_epochs', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown',
-           'webdataset_loader', 'evict_page_cache', 'run_bench', 'throughput_targets', 'goals_markdown', 'cli',
-           'gpu_memory_mb', 'time_loader']
+           'webdataset_loader', 'evict_page_cache', 'bench_points', 'bench_boxes', 'bench_box_labels', 'target_blocks',
+           'run_bench', 'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -460,7 +460,7 @@ def memory_over_epochs(dl, epochs=10):
 
 # %% ../nbs/07_bench.ipynb #c025
 SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
-            'training-compile', 'trace', 'memory', 'resize', 'parity', 'shards')
+            'training-compile', 'trace', 'memory', 'resize', 'parity', 'shards', 'targets')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 _RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -755,6 +755,67 @@ def _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
     r['cold'] = cold
     return r
 
+# %% ../nbs/07_bench.ipynb #c029t
+import random, zlib
+from fastai.data.transforms import parent_label
+
+def _draws(f):
+    "A random generator seeded by the name of file `f` (its CRC-32): the same draws for a file in every run and process"
+    return random.Random(zlib.crc32(Path(f).name.encode()))
+
+def bench_points(f):
+    "`PointBlock`'s `get_y` of the `targets` section: 5 points (x, y) in pixels, drawn for file `f` within 300 x 240 (the bench's smallest images)"
+    r = _draws(f)
+    return [[r.uniform(0, 300), r.uniform(0, 240)] for _ in range(5)]
+
+def bench_boxes(f):
+    "`BBoxBlock`'s `get_y` of the `targets` section: 1-4 boxes (x0, y0, x1, y1) in pixels, drawn for file `f`; many partly outside the image (left of it, above it, past a small image's edge)"
+    r,res = _draws(f),[]
+    for _ in range(r.randint(1, 4)):
+        x,y = r.uniform(-60, 280),r.uniform(-60, 220)
+        res.append([x, y, x + r.uniform(30, 250), y + r.uniform(30, 200)])
+    return res
+
+def bench_box_labels(f):
+    "`BBoxLblBlock`'s `get_y` of the `targets` section: the class of file `f` (its folder) for each of `bench_boxes(f)`"
+    return [parent_label(f)]*len(bench_boxes(f))
+
+_TLABELS = 'DaliDataLoaders train, labels only (CategoryBlock)'
+_TPOINTS = 'DaliDataLoaders train, 5 points an image (PointBlock)'
+_TBOXES = 'DaliDataLoaders train, 1-4 boxes an image (BBoxBlock + BBoxLblBlock, bb_pad)'
+
+def target_blocks(item_tfms=None, batch_tfms=None):
+    "`DataBlock`s of an ImageNet-style folder (train/, valid/) with the same `item_tfms` and `batch_tfms`: labels only (the reference), 5 points an image, 1-4 boxes an image with their labels"
+    from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, PointBlock, BBoxBlock, BBoxLblBlock, get_image_files,
+                                   GrandparentSplitter)
+    import fastai_dali.data  # (gives `DataBlock` its `dali_dataloaders`)
+    kw = dict(get_items=get_image_files, splitter=GrandparentSplitter(), item_tfms=item_tfms, batch_tfms=batch_tfms)
+    return {_TLABELS: DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=parent_label, **kw),
+            _TPOINTS: DataBlock(blocks=(ImageBlock, PointBlock), get_y=bench_points, **kw),
+            _TBOXES: DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), n_inp=1, get_y=[bench_boxes, bench_box_labels], **kw)}
+
+def _decodes(dl):
+    "How `dl`'s pipeline decodes its images: 'a window' where its first step decodes only a crop window (`image_slice`), else 'whole'"
+    return 'a window' if any('image_slice' in str(o) for o in dl.dali_report().detail) else 'whole'
+
+def _targets_title(p): return f'Points and boxes targets, {p}: whole epochs (ratio to labels only: first row)'
+
+def _targets_section(res, root, kw, size, repeats, warmup, aug=True):
+    "Whole epochs of `DaliDataLoaders` train of `target_blocks` with `kw`'s transforms, and with `RandomResizedCrop` + `aug_transforms()` (`aug`), into `res['points_boxes']`"
+    from fastai.vision.all import RandomResizedCrop, aug_transforms
+    P = {'Resize': (kw['item_tfms'], kw['batch_tfms'])}
+    if aug: P['RandomResizedCrop + aug_transforms()'] = (RandomResizedCrop(size, min_scale=0.35), [*aug_transforms(), kw['batch_tfms']])
+    r = res['points_boxes'] = {}
+    for p,(it,bt) in P.items():
+        dls = {k: b.dali_dataloaders(root, bs=kw['bs'], device=kw['device']) for k,b in target_blocks(it, bt).items()}
+        # in rounds, every row once a round (`bench_loaders`): the ratios to labels only measured side by side
+        r[p] = bench_loaders({k: (lambda d: lambda: d.train)(d) for k,d in dls.items()}, repeats=repeats, warmup=warmup,
+                             label=f'timing whole epochs, {p}')
+        for k,d in dls.items(): r[p][k]['decode'] = _decodes(d.train)
+        show_markdown(results_markdown(r[p], _targets_title(p)))
+        del dls; gc.collect()
+    return r
+
 # %% ../nbs/07_bench.ipynb #c030c
 def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
               out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
@@ -782,6 +843,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     dls = DaliDataLoaders.from_folder(root, **kw)
     D,W = _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
     if 'shards' in S: _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
+    if 'targets' in S: _targets_section(res, root, kw, size, repeats, warmup, aug)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     res['fit_img_s'],res['fit_runs'] = {},{}
@@ -808,7 +870,8 @@ GOALS = dict(
     fast_default=1.7, fast_idl=4,            # resnet18's fast path / fastai's defaults; / ImageDataLoaders
     memory=0.99,                             # device memory flat over epochs (1 - growth/first)
     shards_folder=0.95, shards_peer=5,       # shards / the folder, whole epochs; / webdataset + DataLoader + PIL (GPU)
-    shards_pixels=1.0)                       # shards give the folder's pixels: 1 - mean abs Δ (0..1 units)
+    shards_pixels=1.0,                       # shards give the folder's pixels: 1 - mean abs Δ (0..1 units)
+    targets_points=0.95, targets_boxes=0.95) # points / labels only, boxes / labels only (the same pipeline, whole epochs)
 
 def throughput_targets(res, gpu, W=None):
     "The throughput targets (GPU or CPU goals), from the ratios of one run: those whose rows `res` has; `ImageDataLoaders` with `W` workers (default: its fastest row)"
@@ -873,6 +936,12 @@ def throughput_targets(res, gpu, W=None):
         if gpu and (peer := next((v['img_s'] for k,v in w.items() if k.startswith('webdataset')), None)):
             _target(t, 'shards / webdataset + DataLoader + PIL', sh/peer, GOALS['shards_peer'])
         _target(t, "shards: the folder's pixels (1 - mean abs Δ)", 1 - s['pixels']['mean_abs_diff'], GOALS['shards_pixels'])
+    for p,r in res.get('points_boxes', {}).items():  # each pipeline's rows with points, with boxes / with labels only
+        base = r[_TLABELS]
+        for k,name in ((_TPOINTS, 'points'), (_TBOXES, 'boxes')):
+            d = (r[k].get('decode'), base.get('decode'))  # (a window decode for labels only: not the targets' own cost)
+            _target(t, f'{name} / labels only (DaliDataLoaders train, {p}, whole epochs)', r[k]['img_s']/base['img_s'],
+                    GOALS[f'targets_{name}'], f'{name}: images decoded {d[0]}, labels: {d[1]}' if d[0] != d[1] else '')
     return t
 
 def goals_markdown(res):
@@ -910,6 +979,8 @@ def _write_results(res, out, mem_epochs):
                '', f"Validation pixels, shards - folder: mean abs Δ {sh['pixels']['mean_abs_diff']:.3g}, max {sh['pixels']['max_abs_diff']:.3g} over {sh['pixels']['n']} images",
                '', '| cold page cache, first epoch | files evicted | to first batch s | epoch img/s |', '|---|---:|---:|---:|']
         md += [f"| {k} | {v['files_evicted']} | {v['first_batch_s']:.2f} | {v['epoch_img_s']:,.0f} |" for k,v in sh['cold'].items()]
+    for p,r in res.get('points_boxes', {}).items():
+        md += ['', results_markdown(r, _targets_title(p))]
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
     for a,f in res['fit_img_s'].items():
         runs = res.get('fit_runs', {}).get(a, {})

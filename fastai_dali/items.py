@@ -139,7 +139,9 @@ class MaskFiles(list): "Paths of the mask of each item, decoded by DALI alongsid
 
 class Ragged:
     "Targets of different lengths (e.g. a `BBoxBlock`'s boxes, a `BBoxLblBlock`'s labels): every item's rows in one tensor, and where each item's start"
-    def __init__(self, values:torch.Tensor, offsets:torch.Tensor): store_attr()
+    def __init__(self, values:torch.Tensor, offsets:torch.Tensor):
+        store_attr()
+        self.longest = int((offsets[1:] - offsets[:-1]).max()) if len(offsets) > 1 else 0  # (read once, on the host)
     @classmethod
     def of(cls, ts):
         "The tensors `ts` (one an item, rows along the first axis)"
@@ -150,13 +152,12 @@ class Ragged:
     def lengths(self): return self.offsets[1:] - self.offsets[:-1]
     def to(self, device): return Ragged(self.values.to(device), self.offsets.to(device))
     def gather(self, idx, fill=0):
-        "Items `idx` as one tensor padded with `fill` to the longest of them, and their lengths"
+        "Items `idx` as one tensor padded with `fill` to the longest item of all (the same shape every batch: no wait for the device), and their lengths"
         start,n = self.offsets[idx],self.lengths[idx]
-        k = int(n.max()) if len(n) else 0   # (the batch's shape depends on its items: one read of the lengths)
-        j = torch.arange(k, device=idx.device)
+        j = torch.arange(self.longest, device=idx.device)
         valid = j < n[:,None]
         rows = self.values[torch.where(valid, start[:,None] + j, 0).clamp(max=max(len(self.values)-1, 0))] if len(self.values) else \
-               self.values.new_zeros((len(idx), k, *self.values.shape[1:]))
+               self.values.new_zeros((len(idx), self.longest, *self.values.shape[1:]))
         rows = torch.where(valid.view(*valid.shape, *[1]*(rows.dim()-2)), rows, rows.new_full((), fill))
         return rows,n
 

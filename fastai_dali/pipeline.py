@@ -65,7 +65,8 @@ class DaliPlan:
             first = None if img is not None or tr.decode is None or not g.roi_decode else tr.decode(t, g)
             if first is not None: img = first
             else:
-                if img is None: img = g.decode()
+                # a step that reads no pixels (`PointScaler`, `ToTensor`) leaves the decoding to the next one
+                if img is None and not tr.keeps_crop: img = g.decode()
                 if not tr.keeps_crop: img = g.out.flush_crop(img)
                 img = self._step(t, tr, img, g)
             if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU

@@ -148,7 +148,7 @@ def move_boxes(b, f):
     B,n = b.shape[:2]
     c = torch.stack([b[..., [0,1]], b[..., [0,3]], b[..., [2,1]], b[..., [2,3]]], 2).view(B, 4*n, 2)
     c = f(c).view(B, n, 4, 2)
-    return torch.cat([c.min(2)[0], c.max(2)[0]], -1)
+    return torch.cat([c.amin(2), c.amax(2)], -1)
 
 def bb_pad_batch(boxes, labels, n, pad_idx=0):
     "fastai's `bb_pad` on a batch: boxes (B,k,4, the first `n` of each valid) clipped to [-1, 1], those with no area dropped with their labels, the rest padded (boxes with 0, labels with `pad_idx`) to the longest"

@@ -33,7 +33,8 @@ class ItemTranslation:
     "A registered item translation `f(tfm, img, g)->img`, with what `DaliPlan` must know before it builds the graph"
     f: Callable
     python: Callable = _never  # `python(tfm)`: does `f` run a Python step for `tfm`? (then the images decode on the CPU)
-    keeps_crop: bool = False  # `f` reads no pixels (it only sets the layout): a crop left to the output op may wait
+    keeps_crop: bool = False  # `f` reads no pixels (it only sets the layout): a crop left to the output op may wait, and
+    # the images may still be encoded (`f` is then given None; the next step decodes them, e.g. only a window)
     # `decode(tfm, g)->img or None`: as the first step, `f` on the encoded images, decoding only what it needs (e.g.
     # a crop window: `g.decode('image_slice', ...)`); None where it cannot (then the images are decoded whole first)
     decode: Callable = None
