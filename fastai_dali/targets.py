@@ -133,15 +133,20 @@ def _check_steps(T, kind, plan:DaliPlan):
             raise _refuse(T, t, "changes them in fastai (an `encodes` for that type), but its DALI translation changes the image only")
 
 # %% ../nbs/03ca_targets.ipynb #c017
+def _rows(m, x, y):
+    "Each row `(a, b, c)` of the per-sample matrices `m` (B,r,3) on points `x`, `y` (B,n): `a*x + b*y + c`, (B,n) each"
+    m = m[:, None].to(x.dtype)
+    return [m[..., i, 0]*x + m[..., i, 1]*y + m[..., i, 2] for i in range(m.shape[-2])]
+
 def move_points(p, gi=None, gb=None):
     "Points `p` (B,n,2) moved by the per-sample maps DALI gives: `gi` (B,6: pixels of the decoded image -> [-1, 1]), then `gb` (B,3,3: a batch stage's homography in [-1, 1])"
-    if gi is not None:
-        a = gi.view(-1, 2, 3).to(p.dtype)
-        p = p @ a[:, :, :2].transpose(1, 2) + a[:, None, :, 2]
-    if gb is None: return p
-    q = p @ gb[:, :2, :2].transpose(1, 2).to(p.dtype) + gb[:, None, :2, 2].to(p.dtype)
-    w = p @ gb[:, 2:, :2].transpose(1, 2).to(p.dtype) + gb[:, None, 2:, 2].to(p.dtype)
-    return q / w
+    # element-wise, not a batched matmul: on the CPU, BLAS's threads wait for cores DALI's threads hold
+    x,y = p[..., 0],p[..., 1]
+    if gi is not None: x,y = _rows(gi.view(-1, 2, 3), x, y)
+    if gb is not None:
+        x,y,w = _rows(gb.view(-1, 3, 3), x, y)
+        x,y = x/w,y/w
+    return torch.stack([x, y], -1)
 
 def move_boxes(b, f):
     "Boxes `b` (B,n,4: x0,y0,x1,y1) moved by `f`, a map of points (B,m,2): the box around their four moved corners (fastai's `TensorBBox.affine_coord`)"
