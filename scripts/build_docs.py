@@ -48,7 +48,7 @@ def section(stem):
 def page_name(path):
     "`nbs/04_data.ipynb` -> `data.md` (nbdev drops the number prefix too); `index.ipynb` -> `index.md`"
     if path.parent == ROOT: return 'index.md'
-    return re.sub(r'^\d+[a-z]?_', '', path.stem) + '.md'
+    return re.sub(r'^\d+[a-z]*_', '', path.stem) + '.md'
 
 def title_of(path):
     nb = json.loads(path.read_text())
