@@ -55,8 +55,9 @@ class DaliDL(TfmdDL):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
-        refuse_unscaled_crops(kwargs.get('after_item'))  # (before fastai's setup fails on them)
-        super().__init__(dataset, bs=bs, shuffle=shuffle, **kwargs)
+        do_setup = kwargs.pop('do_setup', True)
+        super().__init__(dataset, bs=bs, shuffle=shuffle, do_setup=False, **kwargs)
+        if do_setup: setup_as_fastai(self)  # (fastai's, but where its setup fails on points DaliDL moves: `CropPad`)
         if num_threads is None: num_threads = default_num_threads()
         if py_workers is None: py_workers = min(8, default_num_threads())
         if py_workers < 0: raise ValueError(f"py_workers={py_workers}: the number of Python worker processes must be >= 0")

@@ -18,8 +18,7 @@ from .transforms import *
 from .items import *
 
 # %% auto #0
-__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'refuse_unscaled_crops', 'move_points', 'move_boxes',
-           'bb_pad_batch']
+__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch']
 
 # %% ../nbs/03ca_targets.ipynb #c005
 def _accepts(ann, typ):
@@ -105,13 +104,16 @@ class TargetPlan:
                    any(k in _coords for k in kinds) and any(isinstance(t, AffineCoordTfm) for t in plan.fused))
 
 # %% ../nbs/03ca_targets.ipynb #c014
-def refuse_unscaled_crops(item_tfms):
-    "Refuse `CropPad` on points or boxes (with `PointScaler`): fastai's own loaders fail on them in their setup, before any batch"
-    fs = list(getattr(item_tfms, 'fs', item_tfms) or [])
-    crop = next((t for t in fs if isinstance(t, CropPad)), None)
-    if crop is not None and any(isinstance(t, PointScaler) for t in fs): raise _refuse(TensorPoint, crop,
-        "runs before `PointScaler` (order 0), on points still in pixels with no size: fastai's own loaders fail on them in "
-        "their setup. `Resize(size, method='pad', pad_mode='zeros')` or `RandomCrop` crops and pads them instead")
+def setup_as_fastai(dl):
+    "Set up the transforms of loader `dl` as fastai's `TfmdDL` does, with `CropPad` left out of its item transforms' setup when there are points: fastai's `PointScaler.setups` runs an item through them, and `CropPad` (order 0) fails on points still in pixels (DaliDL moves them with the image)"
+    ai = dl.after_item
+    fs = ai.fs[:]
+    hide = any(isinstance(t, PointScaler) for t in fs) and any(isinstance(t, CropPad) for t in fs)
+    if hide: ai.fs = fs.filter(lambda t: not isinstance(t, CropPad))
+    try:
+        for p in (ai, dl.before_batch, dl.after_batch): p.setup(dl)
+    finally:
+        if hide: ai.fs = fs
 
 def _check_steps(T, kind, plan:DaliPlan):
     "Raise where a transform DALI runs changes targets of type `T` (of `kind`) in fastai and DaliDL cannot do as it does"

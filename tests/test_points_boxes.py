@@ -4,8 +4,7 @@ Three kinds of checks. (1) Deterministic splits against fastai's `dataloaders` o
 every `Resize` method, crops, odd image sizes, points and boxes partly or wholly outside the image, boxes of different
 counts (`bb_pad`). (2) Random steps against fastai's own transforms given the same draws (the DALI graph's draws preset
 through `DaliGraph.preset`, fastai's set on the transform). (3) Where fastai's coordinates do not follow its image
-(`FlipItem`, `DihedralItem`, `RandomResizedCrop`'s validation crop, `RandomResizedCropGPU`; fastai's `CropPad` crashes on
-points in its loader's setup, before DaliDL sees a batch): a drawn marker's
+(`FlipItem`, `DihedralItem`, `CropPad`, `RandomResizedCrop`'s validation crop, `RandomResizedCropGPU`): a drawn marker's
 centre, found in each output image, against the point DaliDL gives for it. Tolerances: float32 arithmetic (1e-4 in
 [-1, 1]) for (1) and (2); for (3), 1 output pixel, what locating a 7-pixel disc after resampling allows (measured
 0.1-0.4 px). Draws are seeded. Also: which targets and transforms DaliDL refuses, `dali_report`'s target rows,
@@ -231,6 +230,8 @@ def marker_centres(x):
 FOLLOW = {
     'flipitem': ([Resize(40, method='squish'), FlipItem(p=1.)], None, 'train'),
     'dihedralitem': ([Resize(40, method='squish'), DihedralItem(p=1.)], None, 'train'),
+    'croppad': ([CropPad(48), Resize(40, method='squish')], None, 'valid'),
+    'croppad-border': ([CropPad(47, pad_mode='border'), Resize(40, method='squish')], None, 'valid'),
     'rrc-valid': ([RandomResizedCrop(32)], None, 'valid'),
     'rrc-train': ([RandomResizedCrop(32, min_scale=0.6)], None, 'train'),
     'aug': ([Resize(40, method='squish')], aug_transforms(max_warp=0, max_rotate=15, max_zoom=1.2, p_affine=1.), 'train'),
@@ -289,8 +290,6 @@ def test_refusals(root):
     db = DataBlock(blocks=(ImageBlock, BBoxBlock), get_items=get_image_files, splitter=GrandparentSplitter(), get_y=boxes, item_tfms=Resize(32))
     with pytest.raises(TypeError, match='clip_remove_empty'): db.dataloaders(root, bs=4)   # fastai's own fail with its TypeError
     with pytest.raises(NotImplementedError, match='bb_pad pads'): db.dali_dataloaders(root, bs=4, device=DEVICE)
-    with pytest.raises(NotImplementedError, match=r'TensorPoint targets \(PointBlock\).*CropPad runs before `PointScaler`'):
-        point_block([CropPad(48), Resize(32)]).dali_dataloaders(root, bs=4, device=DEVICE)
     with pytest.raises(NotImplementedError, match='runs no before_batch'):
         point_block(Resize(32)).dali_dataloaders(root, bs=4, device=DEVICE, before_batch=lambda b: b)
 
