@@ -46,7 +46,7 @@ def _flip_item(tfm, img, g):
     if g.geom is not None:  # x -> W-x where flipped (fastai negates the raw pixels: its points leave the image)
         c = dali_float(coin)
         g.move(PointMap(1.-2.*c, 0., c*dali_float(g.hw(img)[1])))
-    return fn.flip(img, horizontal=coin)
+    return g.sized(fn.flip(img, horizontal=coin), *g.hw(img)) if id(img) in g.sizes else fn.flip(img, horizontal=coin)
 
 # %% ../nbs/01b_augment.ipynb #c009
 def dihedral_pixel_mat(k, H, W, edges=False):
@@ -74,9 +74,10 @@ class DihedralParams:
 def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.experimental.warp_perspective (exact pixel permutation), p={tfm.p}')
-    m,sz,*pm = _drawn(g, tfm, 'mat', DihedralParams(tfm.p, g.points), lambda: [g.shape(img)], num_outputs=3 if g.points else 2)
+    m,sz,*pm = _drawn(g, tfm, 'mat', DihedralParams(tfm.p, g.points), lambda: [g.hw_node(img)], num_outputs=3 if g.points else 2)
     if g.geom is not None: g.move(PointMap(*[pm[0][i] for i in range(6)]))
-    return fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
+    out = fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
+    return g.sized(out, sz[0], sz[1])
 
 # %% ../nbs/01b_augment.ipynb #c013
 def _rrc_window(tfm, g, shape):
@@ -99,7 +100,7 @@ def _rrc_decode(tfm, g):
                           f'fn.decoders.image_slice (decodes the window only), fn.resize to {h}x{w}')
     _move_rrc(tfm, g, anchor, shape)
     img = g.decode('image_slice', anchor, shape, axes=[0,1])
-    return fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True)
+    return g.sized(fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True), h, w)
 
 @dali_item_tfm(RandomResizedCrop, decode=_rrc_decode, points=True)
 def _random_resized_crop(tfm, img, g):
@@ -112,12 +113,12 @@ def _random_resized_crop(tfm, img, g):
             H,W = g.hw(img)
             g.move(PointMap((w+xtra)/dali_float(W), 0., -xtra/2, 0., (h+xtra)/dali_float(H), -xtra/2))
         g.out.crop = (h, w, 0.5, 0.5)
-        return fn.resize(img, size=[h+xtra, w+xtra], **kw)
+        return g.sized(fn.resize(img, size=[h+xtra, w+xtra], **kw), h+xtra, w+xtra)
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), fn.slice, fn.resize to {h}x{w}')
     anchor,shape = _rrc_window(tfm, g, g.shape(img))
     _move_rrc(tfm, g, anchor, shape)
     img = fn.slice(img, anchor, shape, axes=[0,1])
-    return fn.resize(img, size=[h,w], **kw)
+    return g.sized(fn.resize(img, size=[h,w], **kw), h, w)
 
 # %% ../nbs/01b_augment.ipynb #c015
 _centre = 0.5 - 1e-6
@@ -135,16 +136,16 @@ def _move_crop(g, img, size, pos=None):
     y0,x0 = (dmath.floor(dy/2.), dmath.floor(dx/2.)) if pos is None else (_round(pos[0]*dy), _round(pos[1]*dx))
     g.move(PointMap.window(x0, y0))
 
-def _crop_pad(img, size, pos):
+def _crop_pad(img, size, pos, g):
     w,h = size
-    return fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0)
+    return g.sized(fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0), h, w)
 
 @dali_item_tfm(RandomCrop, points=True)
 def _random_crop(tfm, img, g):
     pos = (g.uniform(tfm, 'y'), g.uniform(tfm, 'x')) if g.train else (_centre, _centre)
     g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} ' + ('at a random position' if g.train else 'in the centre'))
     _move_crop(g, img, tfm.size, pos)
-    return _crop_pad(img, tfm.size, pos)
+    return _crop_pad(img, tfm.size, pos, g)
 
 # %% ../nbs/01b_augment.ipynb #c016
 class NpCropPad:
@@ -161,7 +162,7 @@ def _croppad(tfm, img, g):
     if not _croppad_python(tfm):
         g.note(tfm, 'native', f'fn.crop {tfm.size[1]}x{tfm.size[0]} in the centre, zero padding')
         _move_crop(g, img, tfm.size, (_centre, _centre))
-        return _crop_pad(img, tfm.size, (_centre, _centre))
+        return _crop_pad(img, tfm.size, (_centre, _centre), g)
     _move_crop(g, img, tfm.size)
     g.note(tfm, 'python', f'{tfm.pad_mode} padding in np.pad (fn.python_function)')
     mode = {PadMode.Border: 'edge', PadMode.Reflection: 'reflect'}[tfm.pad_mode]
@@ -286,7 +287,7 @@ def _affine(tfm, out):
     if out.normalized or out.post or not _affine_ok(tfm): return not_fused
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train, points=g.points), lambda: [g.shape(img)],
+        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train, points=g.points), lambda: [g.hw_node(img)],
                    num_outputs=2 if g.points else 1)
         if g.points: m,g.batch_geom = m[0],(m[1] if g.geom is not None else g.batch_geom)
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))

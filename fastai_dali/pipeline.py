@@ -83,7 +83,7 @@ class DaliPlan:
     def _item_geom(self, img, g):
         "The item steps' map of the points, to [-1, 1] of the images `img` they end with (or of the crop left to the output op): 6 floats a sample"
         h,w = g.out.crop[:2] if g.out.crop is not None else g.hw(img)
-        return (PointMap.normalize(dali_float(h), dali_float(w)) @ g.geom).node(like=g.hw(img)[0])
+        return (PointMap.normalize(dali_float(h), dali_float(w)) @ g.geom).node()
 
     def __call__(self, img, g):
         "Apply the item translations, the batch stages and the output op to the images `img` (None: `g`'s encoded ones), in `g` (from `graph`)"

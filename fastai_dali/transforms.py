@@ -118,10 +118,9 @@ class PointMap:
     def numpy(self):
         "The 2x3 matrix (entries that are numbers only)"
         return np.array(self.m, dtype=np.float64).reshape(2,3)
-    def node(self, like):
-        "The six entries as one float32 DataNode per sample (`like`: a per-sample DataNode that the constant entries are built on)"
-        z = fn.cast(like, dtype=types.FLOAT)*0.
-        return fn.stack(*[fn.cast(v if isinstance(v, DataNode) else z + float(v), dtype=types.FLOAT) for v in self.m])
+    def node(self):
+        "The six entries as one float32 DataNode per sample"
+        return fn.stack(*[fn.cast(v, dtype=types.FLOAT) if isinstance(v, DataNode) else fn.constant(fdata=float(v), shape=[]) for v in self.m])
 
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
@@ -135,6 +134,7 @@ class DaliGraph:
         self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
         self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
         self.log = L()
+        self.sizes = {}  # id of an image -> (image, h, w) where a step knows its size (`sized`): `hw` reads no GPU image's shape
         # `points`: the loader has point or box targets, which move with the images (masks share the draws, not the map)
         self.points = points
         self.geom = PointMap() if points and not is_mask else None  # the item steps' map of the points so far (`move`)
@@ -166,10 +166,20 @@ class DaliGraph:
         "Shape of `img` (HWC) as a CPU DataNode"
         # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
         return self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
+    def sized(self, img, h, w):
+        "`img`, whose height `h` and width `w` (numbers or CPU DataNodes) its step knows: `hw` gives them, without reading the shape of an image on the GPU (a CPU op waiting for the GPU's)"
+        self.sizes[id(img)] = (img, h, w)
+        return img
     def hw(self, img):
-        "Current height and width of `img`, as CPU int DataNodes"
+        "Current height and width of `img`: as its step gave them (`sized`), else as CPU int DataNodes"
+        if id(img) in self.sizes: return self.sizes[id(img)][1:]
         sh = self.shape(img)
         return sh[0], sh[1]
+    def hw_node(self, img):
+        "Height and width of `img` as one CPU DataNode per sample (for a Python step's parameters)"
+        h,w = self.hw(img)
+        if _num(h) and _num(w): return fn.constant(idata=[int(h), int(w)], dtype=types.INT64)
+        return fn.stack(*[fn.cast(v, dtype=types.INT64) if isinstance(v, DataNode) else fn.constant(idata=int(v), shape=[], dtype=types.INT64) for v in (h, w)])
     def move(self, pm:PointMap):
         "Move the points with the images: `pm` (pixels before the step -> after it) after the steps so far (a graph without points: nothing)"
         if self.geom is not None: self.geom = pm @ self.geom
@@ -331,29 +341,29 @@ def _resize(tfm, img, g):
             ch,cw = win[0],win[1]
             _move_window(g, dmath.floor(pos[0]*(dali_float(H)-ch)), dmath.floor(pos[1]*(dali_float(W)-cw)), ch, cw, h, w)
         img = fn.crop(img, crop=win, crop_pos_y=pos[0], crop_pos_x=pos[1], rounding='truncate')
-        return fn.resize(img, **kw)
+        return g.sized(fn.resize(img, **kw), h, w)
     H,W = g.hw(img)
     y0,x0,ch,cw = resize_window(tfm, H, W, pos)
     _move_window(g, y0, x0, ch, cw, h, w)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
-        return fn.resize(img, **kw)
+        return g.sized(fn.resize(img, **kw), h, w)
     if tfm.method == ResizeMethod.Crop:
         g.note(tfm, 'native', f'window in DALI arithmetic (exact_resize_crop), fn.slice, fn.resize to {h}x{w}')
         img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW', normalized_anchor=False, normalized_shape=False)
-        return fn.resize(img, **kw)
+        return g.sized(fn.resize(img, **kw), h, w)
     if tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Zeros:
         g.note(tfm, 'native', 'fn.slice (pad with 0) + fn.resize')
         img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW',
                        normalized_anchor=False, normalized_shape=False, out_of_bounds_policy='pad', fill_values=0)
-        return fn.resize(img, **kw)
+        return g.sized(fn.resize(img, **kw), h, w)
     if _reflect_pad(tfm):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
         img = fn.python_function(img, _f32(y0,x0,ch,cw), function=np_crop_pad, output_layouts='HWC')
-        return fn.resize(img, **kw)
+        return g.sized(fn.resize(img, **kw), h, w)
     # Pad with PadMode.Border: a ROI outside the image samples the clamped edge
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')
-    return fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw)
+    return g.sized(fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw), h, w)
 
 # %% ../nbs/01_transforms.ipynb #c024
 class PythonItemTfm:
