@@ -43,10 +43,12 @@ def _flip_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.flip, p={tfm.p}')
     coin = _coin(g, tfm, 'flip', tfm.p)
-    if g.geom is not None:  # x -> W-x where flipped (fastai negates the raw pixels: its points leave the image)
-        c = dali_float(coin)
-        g.move(PointMap(1.-2.*c, 0., c*dali_float(g.hw(img)[1])))
-    return g.sized(fn.flip(img, horizontal=coin), *g.hw(img)) if id(img) in g.sizes else fn.flip(img, horizontal=coin)
+    g.move(_flip_map, coin, g.size(img))  # x -> W-x where flipped (fastai negates the raw pixels: its points leave the image)
+    return g.sized(fn.flip(img, horizontal=coin), g.size(img))
+
+def _flip_map(coin, size):
+    c = np.asarray(coin, dtype=np.float64)
+    return PointMap(1.-2.*c, 0., c*hw_of(size)[1])
 
 # %% ../nbs/01b_augment.ipynb #c009
 def dihedral_pixel_mat(k, H, W, edges=False):
@@ -75,9 +77,9 @@ def _dihedral_item(tfm, img, g):
     if not g.train: return _valid_noop(tfm, img, g)
     g.note(tfm, 'native', f'fn.experimental.warp_perspective (exact pixel permutation), p={tfm.p}')
     m,sz,*pm = _drawn(g, tfm, 'mat', DihedralParams(tfm.p, g.points), lambda: [g.hw_node(img)], num_outputs=3 if g.points else 2)
-    if g.geom is not None: g.move(PointMap(*[pm[0][i] for i in range(6)]))
+    if pm: g.move(lambda m: PointMap(*m.T), pm[0])
     out = fn.experimental.warp_perspective(img, matrix=m, size=sz, interp_type=types.INTERP_NN, pixel_origin='center')
-    return g.sized(out, sz[0], sz[1])
+    return g.sized(out, sz)
 
 # %% ../nbs/01b_augment.ipynb #c013
 def _rrc_window(tfm, g, shape):
@@ -86,11 +88,21 @@ def _rrc_window(tfm, g, shape):
     return g.cached(tfm, 'window', lambda: fn.random_crop_generator(
         shape, random_area=[tfm.min_scale, tfm.max_scale], random_aspect_ratio=list(tfm.ratio), seed=g.op_seed()))
 
-def _move_rrc(tfm, g, anchor, shape):
-    "Move the points as the window `anchor`, `shape` (y, x) resized to `tfm.size` moves its pixels"
-    if g.geom is None: return
-    (w,h),(ay,ax),(sh,sw) = tfm.size,(dali_float(anchor[0]),dali_float(anchor[1])),(dali_float(shape[0]),dali_float(shape[1]))
-    g.move(PointMap.window(ax, ay, w/sw, h/sh))
+class _RRCMap:
+    "The `PointMap` of the window `anchor`, `shape` (y, x) resized to `size` (w, h)"
+    def __init__(self, size): self.size = size
+    def __call__(self, anchor, shape):
+        (w,h),a,s = self.size,anchor.astype(np.float64),shape.astype(np.float64)
+        return PointMap.window(a[:, 1], a[:, 0], w/s[:, 1], h/s[:, 0])
+
+class _ValidRRCMap:
+    "The `PointMap` of `RandomResizedCrop`'s validation step: the image resized to `size` + `xtra`, then its centre `size` (w, h)"
+    def __init__(self, size, xtra): self.size,self.xtra = size,xtra
+    def __call__(self, size):
+        (w,h),(H,W),x = self.size,hw_of(size),self.xtra
+        return PointMap((w+x)/W, 0., -x/2, 0., (h+x)/H, -x/2)  # (xtra is even: the crop's offset is exact)
+
+def _move_rrc(tfm, g, anchor, shape): g.move(_RRCMap(tfm.size), anchor, shape)
 
 def _rrc_decode(tfm, g):
     "Training: decode only the window (`fn.decoders.image_slice`), then resize; None on the validation split"
@@ -100,7 +112,7 @@ def _rrc_decode(tfm, g):
                           f'fn.decoders.image_slice (decodes the window only), fn.resize to {h}x{w}')
     _move_rrc(tfm, g, anchor, shape)
     img = g.decode('image_slice', anchor, shape, axes=[0,1])
-    return g.sized(fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True), h, w)
+    return g.sized(fn.resize(img, size=[h,w], interp_type=dali_interp(tfm.mode), antialias=True), (h, w))
 
 @dali_item_tfm(RandomResizedCrop, decode=_rrc_decode, points=True)
 def _random_resized_crop(tfm, img, g):
@@ -109,36 +121,35 @@ def _random_resized_crop(tfm, img, g):
     if not g.train:
         xtra = math.ceil(max(*tfm.size[:2])*tfm.val_xtra/8)*8
         g.note(tfm, 'native', f'fn.resize to {h+xtra}x{w+xtra}, centre crop in crop_mirror_normalize')
-        if g.geom is not None:  # the whole image resized, then the centre crop: `xtra/2` off each side (xtra is even)
-            H,W = g.hw(img)
-            g.move(PointMap((w+xtra)/dali_float(W), 0., -xtra/2, 0., (h+xtra)/dali_float(H), -xtra/2))
+        g.move(_ValidRRCMap(tfm.size, xtra), g.size(img))
         g.out.crop = (h, w, 0.5, 0.5)
-        return g.sized(fn.resize(img, size=[h+xtra, w+xtra], **kw), h+xtra, w+xtra)
+        return g.sized(fn.resize(img, size=[h+xtra, w+xtra], **kw), (h+xtra, w+xtra))
     g.note(tfm, 'native', f'fn.random_crop_generator (area {tfm.min_scale}-{tfm.max_scale}, ratio {tfm.ratio}), fn.slice, fn.resize to {h}x{w}')
     anchor,shape = _rrc_window(tfm, g, g.shape(img))
     _move_rrc(tfm, g, anchor, shape)
     img = fn.slice(img, anchor, shape, axes=[0,1])
-    return g.sized(fn.resize(img, size=[h,w], **kw), h, w)
+    return g.sized(fn.resize(img, size=[h,w], **kw), (h, w))
 
 # %% ../nbs/01b_augment.ipynb #c015
 _centre = 0.5 - 1e-6
 
-def _round(v):
-    "`v` rounded to the nearest integer, halves away from zero, as `fn.crop` places its window (`std::roundf`)"
-    up = dali_float(v >= 0.)
-    return up*dmath.floor(v + 0.5) - (1.-up)*dmath.floor(0.5 - v)
+class _CropPadMap:
+    "The `PointMap` of a `size` (w, h) window at `pos` (`fn.crop`'s: `round(pos*(in-size))` in float32, halves away from zero, `std::roundf`), or in the centre with fastai's `//2` (`pos` None)"
+    def __init__(self, size, centre=False): self.size,self.centre = size,centre
+    def __call__(self, py, px, size):
+        (w,h),(H,W),f = self.size,hw_of(size),np.float32
+        dy,dx = f(H) - f(h),f(W) - f(w)
+        if self.centre: return PointMap.window(np.floor(dx/2), np.floor(dy/2))
+        r = lambda v: np.sign(v)*np.floor(np.abs(v) + f(0.5))
+        return PointMap.window(r(f(px)*dx), r(f(py)*dy))
 
 def _move_crop(g, img, size, pos=None):
     "Move the points as a `size` (w, h) window of `img` at `pos` (`fn.crop`'s), or in the centre with fastai's `//2` (`pos=None`), moves its pixels"
-    if g.geom is None: return
-    (w,h),(H,W) = size,g.hw(img)
-    dy,dx = dali_float(H) - h,dali_float(W) - w
-    y0,x0 = (dmath.floor(dy/2.), dmath.floor(dx/2.)) if pos is None else (_round(pos[0]*dy), _round(pos[1]*dx))
-    g.move(PointMap.window(x0, y0))
+    g.move(_CropPadMap(size, pos is None), *(pos or (0., 0.)), g.size(img))
 
 def _crop_pad(img, size, pos, g):
     w,h = size
-    return g.sized(fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0), h, w)
+    return g.sized(fn.crop(img, crop_h=h, crop_w=w, crop_pos_y=pos[0], crop_pos_x=pos[1], out_of_bounds_policy='pad', fill_values=0), (h, w))
 
 @dali_item_tfm(RandomCrop, points=True)
 def _random_crop(tfm, img, g):
@@ -166,7 +177,7 @@ def _croppad(tfm, img, g):
     _move_crop(g, img, tfm.size)
     g.note(tfm, 'python', f'{tfm.pad_mode} padding in np.pad (fn.python_function)')
     mode = {PadMode.Border: 'edge', PadMode.Reflection: 'reflect'}[tfm.pad_mode]
-    return fn.python_function(img, function=NpCropPad(tfm.size, mode), output_layouts='HWC')
+    return g.sized(fn.python_function(img, function=NpCropPad(tfm.size, mode), output_layouts='HWC'), tfm.size[::-1])
 
 # %% ../nbs/01b_augment.ipynb #c018
 class _Draws:

@@ -16,6 +16,11 @@ from .augment import *
 __all__ = ['DaliPlan', 'pipeline_outputs', 'fastai_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c101
+def _rescale(before, after):
+    "The `PointMap` of a step that keeps points where they are in [-1, 1] while the image goes from size `before` to `after`"
+    (H0,W0),(H1,W1) = hw_of(before),hw_of(after)
+    return PointMap(W1/W0, 0., 0., 0., H1/H0, 0.)
+
 class DaliPlan:
     "Translation of a loader's `item_tfms` and `batch_tfms` into a DALI graph, and a record of what runs where"
     def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False, roi_decode=None, points=False):
@@ -75,15 +80,13 @@ class DaliPlan:
     def _step(self, t, tr, img, g):
         "Item transform `t` by its translation `tr`: a step that does not move points keeps them in [-1, 1] once `PointScaler` ran (fastai's `Transform` leaves a type it has no `encodes` for alone)"
         if g.geom is None or tr.points or not g.scaled: return tr.f(t, img, g)
-        (H0,W0),img = g.hw(img),tr.f(t, img, g)
-        H1,W1 = g.hw(img)
-        g.move(PointMap(dali_float(W1)/dali_float(W0), 0., 0., 0., dali_float(H1)/dali_float(H0), 0.))
+        before,img = g.size(img),tr.f(t, img, g)
+        g.move(_rescale, before, g.size(img))
         return img
 
     def _item_geom(self, img, g):
         "The item steps' map of the points, to [-1, 1] of the images `img` they end with (or of the crop left to the output op): 6 floats a sample"
-        h,w = g.out.crop[:2] if g.out.crop is not None else g.hw(img)
-        return (PointMap.normalize(dali_float(h), dali_float(w)) @ g.geom).node()
+        return g.point_maps(tuple(g.out.crop[:2]) if g.out.crop is not None else g.size(img))
 
     def __call__(self, img, g):
         "Apply the item translations, the batch stages and the output op to the images `img` (None: `g`'s encoded ones), in `g` (from `graph`)"

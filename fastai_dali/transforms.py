@@ -21,8 +21,8 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['not_fused', 'ItemTranslation', 'dali_item_tfm', 'BatchResult', 'fused', 'dali_batch_tfm', 'batch_translation',
-           'PointMap', 'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window', 'np_crop_pad', 'crop_window',
-           'dali_float', 'PythonItemTfm', 'python_item_tfm', 'item_translation']
+           'PointMap', 'hw_of', 'PointMaps', 'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window',
+           'np_crop_pad', 'crop_window', 'PythonItemTfm', 'python_item_tfm', 'item_translation']
 
 # %% ../nbs/01_transforms.ipynb #c005
 def _never(tfm): return False
@@ -88,7 +88,7 @@ def batch_translation(tfm):
     return _lookup(_batch_translations, tfm)
 
 # %% ../nbs/01_transforms.ipynb #c010q
-def _num(v): return not isinstance(v, DataNode)
+def _num(v): return isinstance(v, (int, float))
 def _mul(x, y):
     if _num(x) and _num(y): return x*y
     if _num(x) and x == 0 or _num(y) and y == 0: return 0.
@@ -100,7 +100,7 @@ def _add(x, y):
     return x if _num(y) and y == 0 else x+y
 
 class PointMap:
-    "A per-sample affine map of pixel coordinates, `x' = a*x + b*y + c`, `y' = d*x + e*y + f`: each entry a number or a DataNode"
+    "A per-sample affine map of pixel coordinates, `x' = a*x + b*y + c`, `y' = d*x + e*y + f`: each entry a number or an array of one value a sample"
     def __init__(self, a=1., b=0., c=0., d=0., e=1., f=0.): self.m = (a,b,c,d,e,f)
     @classmethod
     def window(cls, x0=0., y0=0., sx=1., sy=1.):
@@ -115,12 +115,29 @@ class PointMap:
         (a,b,c,d,e,f),(A,B,C,D,E,F) = self.m,o.m
         return PointMap(_add(_mul(a,A),_mul(b,D)), _add(_mul(a,B),_mul(b,E)), _add(_add(_mul(a,C),_mul(b,F)),c),
                         _add(_mul(d,A),_mul(e,D)), _add(_mul(d,B),_mul(e,E)), _add(_add(_mul(d,C),_mul(e,F)),f))
-    def numpy(self):
-        "The 2x3 matrix (entries that are numbers only)"
-        return np.array(self.m, dtype=np.float64).reshape(2,3)
-    def node(self):
-        "The six entries as one float32 DataNode per sample"
-        return fn.stack(*[fn.cast(v, dtype=types.FLOAT) if isinstance(v, DataNode) else fn.constant(fdata=float(v), shape=[]) for v in self.m])
+    def numpy(self, n=None):
+        "The 2x3 matrix (numbers only), or (`n` samples) the (n,2,3) matrices"
+        if n is None: return np.array(self.m, dtype=np.float64).reshape(2,3)
+        return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), (n,)) for v in self.m], -1).reshape(n,2,3)
+
+def hw_of(v):
+    "Height and width from a size's value (`DaliGraph.size`): `(h, w)` numbers, or an (n,k) array whose first columns are h, w"
+    return v if isinstance(v, tuple) else (v[:, 0].astype(np.float64), v[:, 1].astype(np.float64))
+
+# %% ../nbs/01_transforms.ipynb #c010s
+class PointMaps:
+    "The item steps' maps of points (`DaliGraph.move`), composed and then scaled to [-1, 1] of the items' final `size`: 6 floats a sample, computed once a batch (`fn.python_function(batch_processing=True)`)"
+    def __init__(self, steps, size):
+        # steps: [(f, args)], each arg ('in', k): the k-th input's per-sample values, or ('num', v): a number; size likewise
+        store_attr()
+    def _value(self, a, ins): return ins[a[1]] if a[0] == 'in' else a[1]
+    def __call__(self, *inputs):
+        ins = [np.stack([np.asarray(o) for o in x]) for x in inputs]
+        n,m = len(inputs[0]),PointMap()
+        for f,args in self.steps: m = f(*[self._value(a, ins) for a in args]) @ m
+        h,w = hw_of(self._value(self.size, ins))
+        res = (PointMap.normalize(h, w) @ m).numpy(n).reshape(n, 6).astype(np.float32)
+        return [o for o in res]
 
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
@@ -134,10 +151,10 @@ class DaliGraph:
         self.rand = ifnone(rand, {})  # DataNodes built once per graph (`cached`); a mask graph shares its images'
         self.out = ifnone(out, OutputSpec(1 if mode=='L' else 3))  # the output op this graph ends with
         self.log = L()
-        self.sizes = {}  # id of an image -> (image, h, w) where a step knows its size (`sized`): `hw` reads no GPU image's shape
+        self.sizes = {}  # id of an image -> (image, size) where a step knows its size (`sized`): no GPU image's shape is read
         # `points`: the loader has point or box targets, which move with the images (masks share the draws, not the map)
         self.points = points
-        self.geom = PointMap() if points and not is_mask else None  # the item steps' map of the points so far (`move`)
+        self.geom = [] if points and not is_mask else None  # the item steps' maps of the points so far (`move`)
         self.scaled = False      # `PointScaler` has run: later steps that do not move points keep them in [-1, 1]
         self.item_geom = None    # the item steps' map, pixels of the decoded image -> [-1, 1] of the item (`DaliPlan`)
         self.batch_geom = None   # a batch stage's per-sample homography of the points in [-1, 1] (an affine warp)
@@ -166,23 +183,35 @@ class DaliGraph:
         "Shape of `img` (HWC) as a CPU DataNode"
         # Straight from the decoder, the shape is read from the file header on the CPU: no wait for the GPU decode
         return self.peek if img is self.decoded and self.peek is not None else img.shape(device='cpu')
-    def sized(self, img, h, w):
-        "`img`, whose height `h` and width `w` (numbers or CPU DataNodes) its step knows: `hw` gives them, without reading the shape of an image on the GPU (a CPU op waiting for the GPU's)"
-        self.sizes[id(img)] = (img, h, w)
+    def sized(self, img, size):
+        "`img`, whose size its step knows: `(h, w)` numbers, or a CPU DataNode whose first two values are h, w (`size` gives it, reading no image's shape on the GPU: a CPU op that waits for the GPU's)"
+        self.sizes[id(img)] = (img, size)
         return img
+    def size(self, img):
+        "The size of `img`: as its step gave it (`sized`), else a CPU DataNode of its shape (HWC)"
+        return self.sizes[id(img)][1] if id(img) in self.sizes else self.shape(img)
     def hw(self, img):
-        "Current height and width of `img`: as its step gave them (`sized`), else as CPU int DataNodes"
-        if id(img) in self.sizes: return self.sizes[id(img)][1:]
-        sh = self.shape(img)
-        return sh[0], sh[1]
+        "Current height and width of `img`: numbers where its step gave them, else CPU int DataNodes"
+        s = self.size(img)
+        return s if isinstance(s, tuple) else (s[0], s[1])
     def hw_node(self, img):
-        "Height and width of `img` as one CPU DataNode per sample (for a Python step's parameters)"
-        h,w = self.hw(img)
-        if _num(h) and _num(w): return fn.constant(idata=[int(h), int(w)], dtype=types.INT64)
-        return fn.stack(*[fn.cast(v, dtype=types.INT64) if isinstance(v, DataNode) else fn.constant(idata=int(v), shape=[], dtype=types.INT64) for v in (h, w)])
-    def move(self, pm:PointMap):
-        "Move the points with the images: `pm` (pixels before the step -> after it) after the steps so far (a graph without points: nothing)"
-        if self.geom is not None: self.geom = pm @ self.geom
+        "A CPU DataNode per sample whose first two values are the height and width of `img` (a Python step's parameter)"
+        s = self.size(img)
+        return fn.constant(idata=[int(v) for v in s], dtype=types.INT64) if isinstance(s, tuple) else s
+    def move(self, f, *inputs):
+        "Move the points with the images: the `PointMap` `f(*values)` (pixels before the step -> after it) of the per-sample values of `inputs` (DataNodes or numbers), after the steps so far (a graph without points: nothing)"
+        if self.geom is not None: self.geom.append((f, inputs))
+    def point_maps(self, size):
+        "The item steps' maps composed, to [-1, 1] of `size` (numbers or a DataNode, see `sized`), 6 floats a sample: one `fn.python_function` a batch"
+        nodes,ids = [],{}
+        def arg(v):
+            if not isinstance(v, DataNode): return ('num', v)
+            if id(v) not in ids: ids[id(v)] = len(nodes); nodes.append(v)
+            return ('in', ids[id(v)])
+        steps = [(f, [arg(v) for v in ins]) for f,ins in self.geom]
+        sz = arg(size)
+        if not nodes: nodes.append(fn.constant(idata=0, shape=[]))   # (a batch to count)
+        return fn.python_function(*nodes, function=PointMaps(steps, sz), batch_processing=True)
     def note(self, tfm, how, detail=''):
         "Record for `dali_report` how `tfm` runs (`how`: 'native' or 'python'); masks, which repeat the images' steps, do not"
         if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))
@@ -320,13 +349,18 @@ def crop_window(tfm, shape):
 # %% ../nbs/01_transforms.ipynb #c022
 def _reflect_pad(tfm): return tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Reflection
 
-def dali_float(x):
-    "`x` as float32: a DataNode cast, a number as a Python float"
-    return fn.cast(x, dtype=types.FLOAT) if isinstance(x, DataNode) else float(x)
+class _WindowMap:
+    "The `PointMap` of a window `(y0, x0, ch, cw)` (pixels of the image before) resized to `h` x `w`"
+    def __init__(self, h, w): self.h,self.w = h,w
+    def __call__(self, y0, x0, ch, cw): return PointMap.window(x0, y0, self.w/np.float64(cw), self.h/np.float64(ch))
 
-def _move_window(g, y0, x0, ch, cw, h, w):
-    "Move the points as the window `(y0, x0, ch, cw)` (pixels of the image before) resized to `h` x `w` moves its pixels"
-    g.move(PointMap.window(dali_float(x0), dali_float(y0), w/dali_float(cw), h/dali_float(ch)))
+class _CropMap(_WindowMap):
+    "The `PointMap` of `fn.crop`'s window `win` (h, w) at `trunc(pos*(size-win))` (its float32 arithmetic), resized to `h` x `w`"
+    def __call__(self, win, py, px, size):
+        (H,W),f = hw_of(size),np.float32
+        win = win.astype(f)
+        y0,x0 = np.floor(f(py)*(f(H) - win[:, 0])),np.floor(f(px)*(f(W) - win[:, 1]))
+        return super().__call__(y0, x0, win[:, 0], win[:, 1])
 
 @dali_item_tfm(Resize, python=_reflect_pad, points=True)
 def _resize(tfm, img, g):
@@ -336,34 +370,31 @@ def _resize(tfm, img, g):
     if tfm.method == ResizeMethod.Crop and not g.exact_resize_crop:
         g.note(tfm, 'native', f'window from fn.random_crop_generator, fn.crop (truncated position), fn.resize to {h}x{w}')
         win = g.cached(tfm, 'window', lambda: crop_window(tfm, g.shape(img)))
-        if g.geom is not None:  # where `fn.crop` puts the window: `trunc(pos*(W-cw))`, in its float32
-            H,W = g.hw(img)
-            ch,cw = win[0],win[1]
-            _move_window(g, dmath.floor(pos[0]*(dali_float(H)-ch)), dmath.floor(pos[1]*(dali_float(W)-cw)), ch, cw, h, w)
+        g.move(_CropMap(h, w), win, pos[0], pos[1], g.size(img))
         img = fn.crop(img, crop=win, crop_pos_y=pos[0], crop_pos_x=pos[1], rounding='truncate')
-        return g.sized(fn.resize(img, **kw), h, w)
+        return g.sized(fn.resize(img, **kw), (h, w))
     H,W = g.hw(img)
     y0,x0,ch,cw = resize_window(tfm, H, W, pos)
-    _move_window(g, y0, x0, ch, cw, h, w)
+    g.move(_WindowMap(h, w), y0, x0, ch, cw)
     if tfm.method == ResizeMethod.Squish:
         g.note(tfm, 'native', f'fn.resize to {h}x{w}')
-        return g.sized(fn.resize(img, **kw), h, w)
+        return g.sized(fn.resize(img, **kw), (h, w))
     if tfm.method == ResizeMethod.Crop:
         g.note(tfm, 'native', f'window in DALI arithmetic (exact_resize_crop), fn.slice, fn.resize to {h}x{w}')
         img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW', normalized_anchor=False, normalized_shape=False)
-        return g.sized(fn.resize(img, **kw), h, w)
+        return g.sized(fn.resize(img, **kw), (h, w))
     if tfm.method == ResizeMethod.Pad and tfm.pad_mode == PadMode.Zeros:
         g.note(tfm, 'native', 'fn.slice (pad with 0) + fn.resize')
         img = fn.slice(img, _f32(y0,x0), _f32(ch,cw), axis_names='HW',
                        normalized_anchor=False, normalized_shape=False, out_of_bounds_policy='pad', fill_values=0)
-        return g.sized(fn.resize(img, **kw), h, w)
+        return g.sized(fn.resize(img, **kw), (h, w))
     if _reflect_pad(tfm):
         g.note(tfm, 'python', 'reflection padding in np.pad (fn.python_function), resize in fn.resize')
         img = fn.python_function(img, _f32(y0,x0,ch,cw), function=np_crop_pad, output_layouts='HWC')
-        return g.sized(fn.resize(img, **kw), h, w)
+        return g.sized(fn.resize(img, **kw), (h, w))
     # Pad with PadMode.Border: a ROI outside the image samples the clamped edge
     g.note(tfm, 'native', f'fn.resize with ROI to {h}x{w}')
-    return g.sized(fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw), h, w)
+    return g.sized(fn.resize(img, roi_start=_f32(y0,x0), roi_end=_f32(y0+ch, x0+cw), **kw), (h, w))
 
 # %% ../nbs/01_transforms.ipynb #c024
 class PythonItemTfm:
