@@ -18,7 +18,7 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'np_affine_mat', 'warp_homography',
-           'AffineParams', 'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
+           'AffineParams', 'WarpPoints', 'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
 
 # %% ../nbs/01b_augment.ipynb #c005
 def _coin(g, tfm, key, p):
@@ -33,9 +33,13 @@ def _valid_noop(tfm, img, g):
 def _drawn(g, tfm, key, params, inputs=tuple, num_outputs=1):
     "Per-sample parameters of `tfm`: `params(draws, *inputs())` on `params.n_draws` U(0,1) draws a sample, once per graph"
     def make():
-        u = fn.random.uniform(range=[0.,1.], shape=[max(params.n_draws, 1)])
+        u = _draws(g, tfm, key, params)
         return fn.python_function(u, *inputs(), function=params, batch_processing=True, num_outputs=num_outputs)
     return g.cached(tfm, key, make)
+
+def _draws(g, tfm, key, params):
+    "The U(0,1) draws (`params.n_draws` a sample) of `_drawn(g, tfm, key, params)`, once per graph"
+    return g.cached(tfm, key + ' draws', lambda: fn.random.uniform(range=[0.,1.], shape=[max(params.n_draws, 1)]))
 
 # %% ../nbs/01b_augment.ipynb #c007
 @dali_item_tfm(FlipItem, points=True)
@@ -248,9 +252,9 @@ def _norm_to_pix(n, align_corners):
     return np.array([[W/2, 0, (W-1)/2], [0, H/2, (H-1)/2], [0,0,1]])
 
 class AffineParams:
-    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; with `points`, also fastai's map of points in [-1, 1] (input -> output)"
-    def __init__(self, tfm, train=True, points=False):
-        self.train,self.align,self.points = train,tfm.align_corners is not False,points
+    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws"
+    def __init__(self, tfm, train=True):
+        self.train,self.align = train,tfm.align_corners is not False
         self.aff = [(affine_draws[f.func][1], f.keywords) for f in tfm.aff_fs]
         self.warps,self.size = list(tfm.coord_fs),tfm.cp_size
         self.n_draws = sum(affine_draws[f.func][0] for f in tfm.aff_fs) + 4*len(self.warps)
@@ -277,10 +281,15 @@ class AffineParams:
     def __call__(self, us, shapes):
         sh = np.stack([np.asarray(s[:2], dtype=np.float64) for s in shapes])
         u = np.stack(us) if self.n_draws else np.zeros((len(us),0))
-        m = self.normalized(u, sh[:,0], sh[:,1])
-        res = [o.astype(np.float32) for o in self.matrices(u, sh[:,0], sh[:,1], m)]
-        # fastai moves points by the inverse of the grid's map (`TensorPoint.affine_coord`: the warp's inverse, then the affine's)
-        return (res, [o.astype(np.float32) for o in np.linalg.inv(m)]) if self.points else res
+        return [o.astype(np.float32) for o in self.matrices(u, sh[:,0], sh[:,1])]
+
+class WarpPoints:
+    "fastai's map of points in [-1, 1] for `AffineParams` `params` (input -> output: the inverse of its grid's map, as `TensorPoint.affine_coord`), on the host from the pipeline's outputs `draws` and `size`"
+    def __init__(self, params, draws, size): store_attr()
+    def __call__(self, outputs, n:int):
+        u,s = np.asarray(outputs[self.draws], dtype=np.float64),np.asarray(outputs[self.size], dtype=np.float64)
+        if not self.params.n_draws: u = np.zeros((n, 0))
+        return np.linalg.inv(self.params.normalized(u, s[:, 0], s[:, 1])).astype(np.float32)
 
 # %% ../nbs/01b_augment.ipynb #c025
 _pad = {PadMode.Reflection: ('reflect_101', 'reflect'), PadMode.Border: ('replicate', 'replicate'),
@@ -298,9 +307,10 @@ def _affine(tfm, out):
     if out.normalized or out.post or not _affine_ok(tfm): return not_fused
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        m = _drawn(g, tfm, 'affine', AffineParams(tfm, train=g.train, points=g.points), lambda: [g.hw_node(img)],
-                   num_outputs=2 if g.points else 1)
-        if g.points: m,g.batch_geom = m[0],(m[1] if g.geom is not None else g.batch_geom)
+        params,hw = AffineParams(tfm, train=g.train),g.hw_node(img)
+        m = _drawn(g, tfm, 'affine', params, lambda: [hw])
+        if g.host is not None:  # the points: fastai's inverse map, made on the host from the same draws and sizes
+            g.host.warp = WarpPoints(params, g.point_output(_draws(g, tfm, 'affine', params)), g.point_output(hw))
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)

@@ -26,6 +26,7 @@ class DaliPlan:
     def __init__(self, item_tfms, batch_tfms, mode='RGB', exact_resize_crop=False, roi_decode=None, points=False):
         # `points`: the items have point or box targets: the graph returns the maps that move them (`outputs`)
         store_attr('mode,exact_resize_crop,roi_decode,points')
+        self.host_maps = None  # how the host makes the points' maps from the outputs of its images' graph (`HostMaps`)
         item_tfms,batch_tfms = L(item_tfms),L(batch_tfms)
         self.items = L(zip(item_tfms, item_tfms.map(item_translation)))  # (item transform, its `ItemTranslation`)
         on_cpu = [tr.python(t) for t,tr in self.items]
@@ -84,15 +85,16 @@ class DaliPlan:
         g.move(_rescale, before, g.size(img))
         return img
 
-    def _item_geom(self, img, g):
-        "The item steps' map of the points, to [-1, 1] of the images `img` they end with (or of the crop left to the output op): 6 floats a sample"
-        return g.point_maps(tuple(g.out.crop[:2]) if g.out.crop is not None else g.size(img))
+    def _finish_points(self, img, g):
+        "The points' maps of the item steps, to [-1, 1] of the images `img` they end with (or of the crop left to the output op): kept as `host_maps`"
+        g.finish_points(tuple(g.out.crop[:2]) if g.out.crop is not None else g.size(img))
+        self.host_maps = g.host
 
     def __call__(self, img, g):
         "Apply the item translations, the batch stages and the output op to the images `img` (None: `g`'s encoded ones), in `g` (from `graph`)"
         if g.out is not self.out: raise ValueError("`g` is not this plan's images' graph: make it with `plan.graph`")
         img = self._item_steps(img, g)
-        if g.geom is not None: g.item_geom = self._item_geom(img, g)
+        if g.geom is not None: self._finish_points(img, g)
         stages = [s for s in self.out.stages if s.runs(g)]  # a training-only stage is skipped, with the crop flush it needs
         if stages: img = self.out.flush_crop(img)
         for s in stages: img = s(img, g)
@@ -127,12 +129,10 @@ def _window_kw(op, mixed):
 
 # %% ../nbs/02_pipeline.ipynb #c005y
 def pipeline_outputs(img, y, masks, g:DaliGraph):
-    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, the maps of the points: `gi` (item steps, 6 floats a sample), `gb` (a batch stage's homography, 3x3)"
+    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host)"
     res = dict(x=img, y=y)
     if masks is not None: res['m'] = masks
-    if g.item_geom is not None: res['gi'] = g.item_geom
-    if g.batch_geom is not None: res['gb'] = g.batch_geom
-    return res
+    return {**res, **g.point_outputs}
 
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
@@ -181,4 +181,4 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
         m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
     outs = pipeline_outputs(img, y, m, g)
     if names is not None: names.extend(outs)
-    return tuple(o.gpu() if gpu and o.device == 'cpu' else o for o in outs.values())
+    return tuple(o.gpu() if gpu and o.device == 'cpu' and k not in g.point_outputs else o for k,o in outs.items())

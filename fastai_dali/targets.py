@@ -169,11 +169,20 @@ def bb_pad_batch(boxes, labels, n, pad_idx=0):
     return b[:, :k].masked_fill(pad[..., None], 0.),l[:, :k].masked_fill(pad, pad_idx)
 
 # %% ../nbs/03ca_targets.ipynb #c020
+def _to(t, device):
+    "CPU tensor `t` on `device`, without waiting for the device's queue (through pinned memory)"
+    return t.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else t
+
+def _maps(maps, d, n, device):
+    "The item maps (n,6) and a fused warp's homographies (n,3,3, or None) of a batch of `n`, made on the host from DALI's outputs `d`"
+    if maps is None or maps.item is None: return None,None
+    gi = _to(torch.from_numpy(maps.item(d, n)), device)
+    return gi,(None if maps.warp is None else _to(torch.from_numpy(maps.warp(d, n)), device))
+
 @patch
-def batch(self:TargetPlan, targets, idx, d, mask=None):
-    "The batch's targets from the loader's `targets` (one per item) for item indices `idx`, DALI's outputs `d` (the points' maps `gi`, `gb`), `mask()` (the masks)"
-    gi,gb = d.get('gi'),d.get('gb')
-    gb = None if gb is None else gb.view(-1, 3, 3)
+def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None):
+    "The batch's targets from the loader's `targets` (one per item) for item indices `idx`, DALI's outputs `d`, `mask()` (the masks), the points' `maps` (made from `d`)"
+    gi,gb = _maps(maps, d, len(idx), idx.device)
     res,lens = [],[]
     for k,t in zip(self.kinds, targets):
         if k == 'mask': res.append(mask()); lens.append(None); continue

@@ -21,8 +21,8 @@ import nvidia.dali.math as dmath
 
 # %% auto #0
 __all__ = ['not_fused', 'ItemTranslation', 'dali_item_tfm', 'BatchResult', 'fused', 'dali_batch_tfm', 'batch_translation',
-           'PointMap', 'hw_of', 'PointMaps', 'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp', 'resize_window',
-           'np_crop_pad', 'crop_window', 'PythonItemTfm', 'python_item_tfm', 'item_translation']
+           'PointMap', 'hw_of', 'PointMaps', 'HostMaps', 'DaliGraph', 'Stage', 'OutputSpec', 'dali_interp',
+           'resize_window', 'np_crop_pad', 'crop_window', 'PythonItemTfm', 'python_item_tfm', 'item_translation']
 
 # %% ../nbs/01_transforms.ipynb #c005
 def _never(tfm): return False
@@ -126,18 +126,23 @@ def hw_of(v):
 
 # %% ../nbs/01_transforms.ipynb #c010s
 class PointMaps:
-    "The item steps' maps of points (`DaliGraph.move`), composed and then scaled to [-1, 1] of the items' final `size`: 6 floats a sample, computed once a batch (`fn.python_function(batch_processing=True)`)"
+    "The item steps' maps of points (`DaliGraph.move`), composed, then scaled to [-1, 1] of the items' final `size`: 6 floats a sample, computed on the host once a batch from the pipeline's outputs"
     def __init__(self, steps, size):
-        # steps: [(f, args)], each arg ('in', k): the k-th input's per-sample values, or ('num', v): a number; size likewise
+        # steps: [(f, args)], each arg ('out', name): the values of the pipeline's output `name`, or ('num', v): a number; size likewise
         store_attr()
-    def _value(self, a, ins): return ins[a[1]] if a[0] == 'in' else a[1]
-    def __call__(self, *inputs):
-        ins = [np.stack([np.asarray(o) for o in x]) for x in inputs]
-        n,m = len(inputs[0]),PointMap()
-        for f,args in self.steps: m = f(*[self._value(a, ins) for a in args]) @ m
-        h,w = hw_of(self._value(self.size, ins))
-        res = (PointMap.normalize(h, w) @ m).numpy(n).reshape(n, 6).astype(np.float32)
-        return [o for o in res]
+    def __call__(self, outputs, n:int):
+        "The (n,6) maps of a batch of `n` samples from the pipeline's `outputs` (a dict of arrays or CPU tensors)"
+        val = lambda a: np.asarray(outputs[a[1]]) if a[0] == 'out' else a[1]
+        m = PointMap()
+        for f,args in self.steps: m = f(*map(val, args)) @ m
+        h,w = hw_of(val(self.size))
+        return (PointMap.normalize(h, w) @ m).numpy(n).reshape(n, 6).astype(np.float32)
+
+@dataclass
+class HostMaps:
+    "How a batch's point maps are made on the host from a pipeline's outputs: the item steps' (`PointMaps`), a fused warp's (`warp(outputs, n)`: (n,3,3) homographies in [-1, 1])"
+    item: PointMaps = None
+    warp: Callable = None
 
 # %% ../nbs/01_transforms.ipynb #c011
 class DaliGraph:
@@ -156,8 +161,8 @@ class DaliGraph:
         self.points = points
         self.geom = [] if points and not is_mask else None  # the item steps' maps of the points so far (`move`)
         self.scaled = False      # `PointScaler` has run: later steps that do not move points keep them in [-1, 1]
-        self.item_geom = None    # the item steps' map, pixels of the decoded image -> [-1, 1] of the item (`DaliPlan`)
-        self.batch_geom = None   # a batch stage's per-sample homography of the points in [-1, 1] (an affine warp)
+        # the per-sample values the points' maps are made of, outputs of the pipeline by name, and how the host makes them
+        self.point_outputs,self.host = {},(HostMaps() if self.geom is not None else None)
     def uniform(self, tfm, key):
         "A per-sample U(0,1) draw for `tfm`, shared with the masks transformed in lock-step with the images"
         return self.cached(tfm, key, lambda: fn.random.uniform(range=[0.,1.]))
@@ -201,17 +206,15 @@ class DaliGraph:
     def move(self, f, *inputs):
         "Move the points with the images: the `PointMap` `f(*values)` (pixels before the step -> after it) of the per-sample values of `inputs` (DataNodes or numbers), after the steps so far (a graph without points: nothing)"
         if self.geom is not None: self.geom.append((f, inputs))
-    def point_maps(self, size):
-        "The item steps' maps composed, to [-1, 1] of `size` (numbers or a DataNode, see `sized`), 6 floats a sample: one `fn.python_function` a batch"
-        nodes,ids = [],{}
-        def arg(v):
-            if not isinstance(v, DataNode): return ('num', v)
-            if id(v) not in ids: ids[id(v)] = len(nodes); nodes.append(v)
-            return ('in', ids[id(v)])
-        steps = [(f, [arg(v) for v in ins]) for f,ins in self.geom]
-        sz = arg(size)
-        if not nodes: nodes.append(fn.constant(idata=0, shape=[]))   # (a batch to count)
-        return fn.python_function(*nodes, function=PointMaps(steps, sz), batch_processing=True)
+    def point_output(self, node):
+        "The name of `node` among the pipeline's outputs the points' maps are made of (added once)"
+        k = next((k for k,v in self.point_outputs.items() if v is node), None)
+        if k is None: k = f'p{len(self.point_outputs)}'; self.point_outputs[k] = node
+        return k
+    def finish_points(self, size):
+        "The item steps' maps, to [-1, 1] of `size` (numbers or a DataNode, see `sized`), as the host makes them (`host.item`)"
+        arg = lambda v: ('out', self.point_output(v)) if isinstance(v, DataNode) else ('num', v)
+        self.host.item = PointMaps([(f, [arg(v) for v in ins]) for f,ins in self.geom], arg(size))
     def note(self, tfm, how, detail=''):
         "Record for `dali_report` how `tfm` runs (`how`: 'native' or 'python'); masks, which repeat the images' steps, do not"
         if not self.is_mask: self.log.append((type(tfm).__name__, how, detail))

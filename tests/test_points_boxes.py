@@ -129,14 +129,18 @@ def dali_item_maps(item_tfms, shapes, presets, train=True, batch_tfms=()):
     from fastai_dali.pipeline import DaliPlan
     imgs = [np.zeros((h, w, 3), np.uint8) for h,w in shapes]
     plan = DaliPlan(item_tfms, batch_tfms, points=True)
+    graphs = []
     @pipeline_def(batch_size=len(imgs), num_threads=1, device_id=None, seed=0)
     def pipe():
         g = plan.graph(train, gpu=False, decoded=None)
         presets(g)
         plan(fn.external_source(lambda: imgs, batch=True, layout='HWC'), g)
-        return (g.item_geom,) + (() if g.batch_geom is None else (g.batch_geom,))
+        graphs.append(g)
+        return tuple(g.point_outputs.values())
     p = pipe(); p.build()
-    return [torch.tensor(np.stack([np.array(o[i]) for i in range(len(imgs))])) for o in p.run()]
+    g,n = graphs[0],len(imgs)
+    d = {k: np.stack([np.array(o[i]) for i in range(n)]) for k,o in zip(g.point_outputs, p.run())}
+    return [torch.tensor(g.host.item(d, n))] + ([] if g.host.warp is None else [torch.tensor(g.host.warp(d, n))])
 
 def const(vals, dtype=np.float32):
     "A DALI node of per-sample values `vals` (arrays)"
@@ -208,9 +212,9 @@ def test_affine_train_draws():
     u = np.stack([[0.,1,0,1], [0]*4, (np.array(ang)/25+1)/2, [0]*4, (np.array(zs)-1)/0.3, cx, cy,
                   [0]*4, (np.array(wx)/0.3+1)/2, [0]*4, (np.array(wy)/0.3+1)/2], 1)
     H,W = 30, 40
-    mats,pms = AffineParams(t, points=True)(list(u), [np.array([H, W, 3])]*4)
-    def presets(g): g.preset(t, 'affine', [const(mats), const(pms)])
-    gi,gb = dali_item_maps([Resize((W, H), method='squish'), PointScaler()], [(H, W)]*4, presets, batch_tfms=[IntToFloatTensor(), t])
+    mats = AffineParams(t)(list(u), [np.array([H, W, 3])]*4)
+    def presets(g): g.preset(t, 'affine', const(mats)); g.preset(t, 'affine draws', const(u))   # the draws the points' map is made of
+    gi,gb = dali_item_maps([Resize((H, W), method='squish'), PointScaler()], [(H, W)]*4, presets, batch_tfms=[IntToFloatTensor(), t])
     pts = torch.tensor([[[8., 6.], [20., 15.], [39., 1.], [-3., 33.]]]*4)
     x = TensorImage(torch.zeros(4, 3, H, W))
     _,exp = fa((x, TensorPoint(pts*2/torch.tensor([W, H]) - 1)), split_idx=0)
