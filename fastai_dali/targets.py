@@ -73,7 +73,7 @@ class TargetPlan:
     types: tuple = ()
     y_first: bool = False
     pad_idx: int|None = None
-    moved_by_batch: bool = False  # a fused batch stage (an affine warp) moves the points: its homographies come as `gb`
+    moved_by_batch: bool = False  # a fused batch stage (an affine warp) moves the points (its map: `HostMaps.warp`)
 
     @property
     def points(self):
