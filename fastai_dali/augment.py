@@ -270,9 +270,9 @@ class AffineParams:
             for w in self.warps: m = _warp_draws(d, w) @ m
         return m
 
-    def matrices(self, u, H, W, m=None):
-        "(B,3,3) in pixels for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,) (`m`: their `normalized`)"
-        B,m = len(u),(self.normalized(u, H, W) if m is None else m)
+    def matrices(self, u, H, W):
+        "(B,3,3) in pixels for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,)"
+        B,m = len(u),self.normalized(u, H, W)
         oh,ow = (H,W) if self.size is None else (np.full(B, self.size[0]), np.full(B, self.size[1]))
         to_pix = np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(W,H)])
         from_pix = np.linalg.inv(np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(ow,oh)]))
