@@ -271,11 +271,15 @@ class Feed:
         names = [inp.names[i] for i in idxs] if files else []  # the user's files, for error messages
         self.check_jpeg_ends(spec.num_threads)
         mfiles = None if inp.masks is None else [inp.masks[i] for i in idxs]
+        # Points' maps are made of CPU outputs (`DaliGraph.point_outputs`): DALI's default executor hands a CPU output of a
+        # GPU pipeline to torch as pinned memory through DLPack, which torch 2.11 refuses ("Unsupported device_type: 3");
+        # the classic executor copies each output into a torch tensor of its own (one copy, on the GPU too, at no cost seen)
+        xkw = dict(exec_dynamic=False) if plan.points else {}
         pipe = fastai_pipeline(files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
-                               hw_decoder_load=spec.hw_decoder_load, mask_files=mfiles, names=outputs, **kw)
+                               hw_decoder_load=spec.hw_decoder_load, mask_files=mfiles, names=outputs, **xkw, **kw)
         track_pipeline(pipe)
         it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         self.built = self.pipes.add(BuiltPipeline(pipe, it, plan, log, spec, files, names, source, gather_n))
