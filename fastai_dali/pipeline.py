@@ -75,7 +75,8 @@ class DaliPlan:
                 if img is None and not tr.keeps_crop: img = g.decode()
                 if not tr.keeps_crop: img = g.out.flush_crop(img)
                 img = self._step(t, tr, img, g)
-            if g.gpu and i+1 == self.n_cpu: img = img.gpu()  # the rest runs on the GPU
+            # the rest runs on the GPU, its size read on the CPU (a later step or the points' maps need no GPU->CPU read)
+            if g.gpu and i+1 == self.n_cpu: img = g.sized(img.gpu(), g.size(img))
         return g.decode() if img is None else img
 
     def _step(self, t, tr, img, g):
