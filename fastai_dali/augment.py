@@ -245,11 +245,11 @@ def _warp_draws(d, w):
     return warp_homography(np.where(kx, (2*x-1)*m, 0.), np.where(ky, (2*y-1)*m, 0.))
 
 # %% ../nbs/01b_augment.ipynb #c022
-def _norm_to_pix(n, align_corners):
-    "(3,3) map from normalized coordinates in [-1,1] to pixel centres of an axis of `n` pixels (per axis: x, y)"
-    (W,H) = n
-    if align_corners: return np.array([[(W-1)/2, 0, (W-1)/2], [0, (H-1)/2, (H-1)/2], [0,0,1]])
-    return np.array([[W/2, 0, (W-1)/2], [0, H/2, (H-1)/2], [0,0,1]])
+def _norm_to_pix(W, H, align_corners):
+    "(B,3,3) maps from normalized coordinates in [-1,1] to the pixel centres of images `W` x `H` (B,)"
+    W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
+    sx,sy = ((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)
+    return np_affine_mat(sx, 0, (W-1)/2, 0, sy, (H-1)/2)
 
 class AffineParams:
     "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws"
@@ -274,14 +274,13 @@ class AffineParams:
         "(B,3,3) in pixels for draws `u` (B,n_draws) and input heights/widths `H`, `W` (B,)"
         B,m = len(u),self.normalized(u, H, W)
         oh,ow = (H,W) if self.size is None else (np.full(B, self.size[0]), np.full(B, self.size[1]))
-        to_pix = np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(W,H)])
-        from_pix = np.linalg.inv(np.stack([_norm_to_pix((w_,h_), self.align) for w_,h_ in zip(ow,oh)]))
-        return to_pix @ m @ from_pix
+        # (whole batches: this runs in DALI's Python operator, which holds the GIL the loader's own thread needs)
+        return _norm_to_pix(W, H, self.align) @ m @ np.linalg.inv(_norm_to_pix(ow, oh, self.align))
 
     def __call__(self, us, shapes):
         sh = np.stack([np.asarray(s[:2], dtype=np.float64) for s in shapes])
         u = np.stack(us) if self.n_draws else np.zeros((len(us),0))
-        return [o.astype(np.float32) for o in self.matrices(u, sh[:,0], sh[:,1])]
+        return list(self.matrices(u, sh[:,0], sh[:,1]).astype(np.float32))
 
 class WarpPoints:
     "fastai's map of points in [-1, 1] for `AffineParams` `params` (input -> output: the inverse of its grid's map, as `TensorPoint.affine_coord`), on the host from the pipeline's outputs `draws` and `size`"

@@ -155,7 +155,7 @@ class DaliDL(TfmdDL):
         "fastai's batch from DALI's outputs `d`: the targets by item index (points and boxes moved), fastai's types, this device, the batch transforms DALI did not run"
         idx = d['y'].view(-1).long()
         mask = lambda: d['m'][...,0].long() // plan.out.div_mask  # (B,H,W), as fastai's IntToFloatTensor leaves a TensorMask
-        b = (d['x'],) + tp.batch(self.feed.targets(idx.device), idx, d, mask, plan.host_maps)
+        b = (d['x'],) + tp.batch(self.feed.targets(idx.device), idx, d, mask, plan.host_maps, d['x'].device)
         if not getattr(self, '_types', None): self._one_pass()
         b = retain_types(b, typs=self._types)
         if self.device is not None: b = to_device(b, self.device)

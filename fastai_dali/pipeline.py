@@ -130,7 +130,7 @@ def _window_kw(op, mixed):
 
 # %% ../nbs/02_pipeline.ipynb #c005y
 def pipeline_outputs(img, y, masks, g:DaliGraph):
-    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host)"
+    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host, as the item indices with points)"
     res = dict(x=img, y=y)
     if masks is not None: res['m'] = masks
     return {**res, **g.point_outputs}
@@ -182,4 +182,6 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
         m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
     outs = pipeline_outputs(img, y, m, g)
     if names is not None: names.extend(outs)
-    return tuple(o.gpu() if gpu and o.device == 'cpu' and k not in g.point_outputs else o for k,o in outs.items())
+    # with points, the item indices stay on the CPU with the values of the points' maps: the host moves the coordinates
+    host = {*g.point_outputs, *(('y',) if g.geom is not None else ())}
+    return tuple(o.gpu() if gpu and o.device == 'cpu' and k not in host else o for k,o in outs.items())

@@ -173,16 +173,18 @@ def _to(t, device):
     "CPU tensor `t` on `device`, without waiting for the device's queue (through pinned memory)"
     return t.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else t
 
-def _maps(maps, d, n, device):
+def _maps(maps, d, n):
     "The item maps (n,6) and a fused warp's homographies (n,3,3, or None) of a batch of `n`, made on the host from DALI's outputs `d`"
     if maps is None or maps.item is None: return None,None
-    gi = _to(torch.from_numpy(maps.item(d, n)), device)
-    return gi,(None if maps.warp is None else _to(torch.from_numpy(maps.warp(d, n)), device))
+    return torch.from_numpy(maps.item(d, n)),(None if maps.warp is None else torch.from_numpy(maps.warp(d, n)))
 
 @patch
-def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None):
-    "The batch's targets from the loader's `targets` (one per item) for item indices `idx`, DALI's outputs `d`, `mask()` (the masks), the points' `maps` (made from `d`)"
-    gi,gb = _maps(maps, d, len(idx), idx.device)
+def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None, device=None):
+    "The batch's targets from the loader's `targets` (one per item, where `idx` is) for item indices `idx`, DALI's outputs `d`, `mask()` (the masks), the points' `maps` (made from `d`), on `device`"
+    # With points or boxes, DALI gives the item indices on the CPU: the coordinates are moved and `bb_pad` runs on the host
+    # (a few small tensors), then they go to the device through pinned memory: no wait for the device's queue (`bb_pad`
+    # reads how many boxes each sample keeps), no kernel launches in the training loop's stream
+    gi,gb = _maps(maps, d, len(idx))
     res,lens = [],[]
     for k,t in zip(self.kinds, targets):
         if k == 'mask': res.append(mask()); lens.append(None); continue
@@ -198,7 +200,7 @@ def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None):
     if gb is not None:  # a batch stage fused in DALI moved the images: move the coordinates with them (padding rows too, as fastai)
         res = [move_points(y, gb=gb) if k == 'points' else move_boxes(y, lambda c: move_points(c, gb=gb)) if k == 'boxes' else y
                for k,y in zip(self.kinds, res)]
-    return tuple(res)
+    return tuple(y if device is None or y.device == device else _to(y, device) for y in res)
 
 # %% ../nbs/03ca_targets.ipynb #c021
 def _crop_points(p, tl, cp, H, W, size):
