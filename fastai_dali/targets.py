@@ -227,10 +227,10 @@ def report(self:TargetPlan):
     "Rows of (stage, transform, how, detail) for `dali_report`"
     how = dict(label='looked up by item index, as fastai encoded it (no transform changes it)',
                mask="decoded and transformed in DALI with the images' draws (nearest)",
-               points="moved with their image: each sample's map of the item steps from the DALI graph, applied on the device",
-               boxes="four corners moved with their image as points (the DALI graph's map), the box around them, on the device")
+               points="moved with their image: each sample's map of the item steps from the DALI graph, applied on the host",
+               boxes="four corners moved with their image as points (the DALI graph's map), the box around them, on the host")
     rows = [('target', T.__name__, 'native', how[k] + (', then the affine warp\'s homography' if k in _coords and self.moved_by_batch else ''))
             for k,T in zip(self.kinds, self.types)]
     if self.pad_idx is not None:
-        rows.append(('target', 'bb_pad', 'native', f"clipped to the image, empty boxes dropped with their labels, padded (labels with {self.pad_idx}) on the device"))
+        rows.append(('target', 'bb_pad', 'native', f"clipped to the image, empty boxes dropped with their labels, padded (labels with {self.pad_idx}) on the host"))
     return rows

@@ -289,7 +289,7 @@ from fastai.vision.data import BBoxLabeler
 @dali_item_tfm(PointScaler, keeps_crop=True, points=True)
 def _point_scaler(tfm, img, g):
     g.scaled = True
-    g.note(tfm, 'native', f"points: to [-1, 1] in the per-sample map of the item steps{', y_first' if tfm.y_first else ''} (moved on the device)")
+    g.note(tfm, 'native', f"points: to [-1, 1] in the per-sample map of the item steps{', y_first' if tfm.y_first else ''} (moved on the host)")
     return img
 
 @dali_item_tfm(BBoxLabeler, keeps_crop=True, points=True)
