@@ -227,9 +227,9 @@ class Feed:
         return self.inputs
 
     def targets(self, device):
-        "The stacked targets, moved once to `device` (where DALI delivers the item indices)"
+        "The stacked targets, moved once to `device` (where DALI delivers the item indices; `Ragged` ones stay on the host, where their indices are)"
         k = str(device)
-        if k not in self.targets_on: self.targets_on[k] = tuple(t if isinstance(t, MaskFiles) else t.to(device) for t in self.inputs.targets)
+        if k not in self.targets_on: self.targets_on[k] = tuple(t if isinstance(t, (MaskFiles, Ragged)) else t.to(device) for t in self.inputs.targets)
         return self.targets_on[k]
 
     def check_jpeg_ends(self, num_threads:int=None):

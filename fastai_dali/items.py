@@ -138,27 +138,27 @@ def _encode(tl, i, f):
 class MaskFiles(list): "Paths of the mask of each item, decoded by DALI alongside the images"
 
 class Ragged:
-    "Targets of different lengths (e.g. a `BBoxBlock`'s boxes, a `BBoxLblBlock`'s labels): every item's rows in one tensor, and where each item's start"
-    def __init__(self, values:torch.Tensor, offsets:torch.Tensor):
+    "Targets of different lengths (e.g. a `BBoxBlock`'s boxes, a `BBoxLblBlock`'s labels): every item's rows in one array, on the host, and where each item's rows start"
+    # numpy, not torch: a batch gathers them on the host, beside DALI's Python operators, and each of torch's small ops
+    # would release and retake the GIL those hold (twice the time under contention)
+    def __init__(self, values:np.ndarray, offsets:np.ndarray):
         store_attr()
-        self.longest = int((offsets[1:] - offsets[:-1]).max()) if len(offsets) > 1 else 0  # (read once, on the host)
+        self.longest = int(np.diff(offsets).max()) if len(offsets) > 1 else 0  # (every batch is padded to it: one shape)
     @classmethod
     def of(cls, ts):
-        "The tensors `ts` (one an item, rows along the first axis)"
-        lens = torch.tensor([len(t) for t in ts], dtype=torch.long)
-        return cls(torch.cat(list(ts)), torch.cat([lens.new_zeros(1), lens.cumsum(0)]))
+        "The arrays or CPU tensors `ts` (one an item, rows along the first axis)"
+        lens = np.array([len(t) for t in ts], dtype=np.int64)
+        return cls(np.concatenate([np.asarray(t) for t in ts]), np.concatenate([[0], lens.cumsum()]))
     def __len__(self): return len(self.offsets) - 1
     @property
-    def lengths(self): return self.offsets[1:] - self.offsets[:-1]
-    def to(self, device): return Ragged(self.values.to(device), self.offsets.to(device))
+    def lengths(self): return np.diff(self.offsets)
     def gather(self, idx, fill=0):
-        "Items `idx` as one tensor padded with `fill` to the longest item of all (the same shape every batch: no wait for the device), and their lengths"
-        start,n = self.offsets[idx],self.lengths[idx]
-        j = torch.arange(self.longest, device=idx.device)
+        "Items `idx` (an array) as one array padded with `fill` to the longest item of all (the same shape every batch), and their lengths"
+        start = self.offsets[idx]
+        n,j = self.offsets[idx+1] - start,np.arange(self.longest)
         valid = j < n[:,None]
-        rows = self.values[torch.where(valid, start[:,None] + j, 0).clamp(max=max(len(self.values)-1, 0))] if len(self.values) else \
-               self.values.new_zeros((len(idx), self.longest, *self.values.shape[1:]))
-        rows = torch.where(valid.view(*valid.shape, *[1]*(rows.dim()-2)), rows, rows.new_full((), fill))
+        rows = self.values[np.where(valid, start[:,None] + j, 0)]  # (no rows at all: `j` is empty, and so is the index)
+        rows[~valid] = fill
         return rows,n
 
 def _target_class(tl):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools, inspect, types, typing
 from typing import Any
 from dataclasses import dataclass
-import torch
+import numpy as np, torch
 from fastcore.basics import *
 from fasttransform import ItemTransform
 from fastai.torch_core import TensorMultiCategory, retain_type
@@ -137,70 +137,74 @@ def _check_steps(T, kind, plan:DaliPlan):
 # %% ../nbs/03ca_targets.ipynb #c017
 def _rows(m, x, y):
     "Each row `(a, b, c)` of the per-sample matrices `m` (B,r,3) on points `x`, `y` (B,n): `a*x + b*y + c`, (B,n) each"
-    m = m[:, None].to(x.dtype)
+    m = m[:, None].astype(x.dtype, copy=False)
     return [m[..., i, 0]*x + m[..., i, 1]*y + m[..., i, 2] for i in range(m.shape[-2])]
 
 def move_points(p, gi=None, gb=None):
-    "Points `p` (B,n,2) moved by the per-sample maps DALI gives: `gi` (B,6: pixels of the decoded image -> [-1, 1]), then `gb` (B,3,3: a batch stage's homography in [-1, 1])"
+    "Points `p` (B,n,2) moved by the per-sample maps DALI gives: `gi` (B,6: pixels of the decoded image -> [-1, 1]), then `gb` (B,3,3: a batch stage's homography in [-1, 1]); numpy arrays"
     # element-wise, not a batched matmul: on the CPU, BLAS's threads wait for cores DALI's threads hold
     x,y = p[..., 0],p[..., 1]
-    if gi is not None: x,y = _rows(gi.view(-1, 2, 3), x, y)
+    if gi is not None: x,y = _rows(gi.reshape(-1, 2, 3), x, y)
     if gb is not None:
-        x,y,w = _rows(gb.view(-1, 3, 3), x, y)
+        x,y,w = _rows(gb.reshape(-1, 3, 3), x, y)
         x,y = x/w,y/w
-    return torch.stack([x, y], -1)
+    return np.stack([x, y], -1)
 
 def move_boxes(b, f):
     "Boxes `b` (B,n,4: x0,y0,x1,y1) moved by `f`, a map of points (B,m,2): the box around their four moved corners (fastai's `TensorBBox.affine_coord`)"
     B,n = b.shape[:2]
-    c = torch.stack([b[..., [0,1]], b[..., [0,3]], b[..., [2,1]], b[..., [2,3]]], 2).view(B, 4*n, 2)
-    c = f(c).view(B, n, 4, 2)
-    return torch.cat([c.amin(2), c.amax(2)], -1)
+    c = f(b[..., [0,1, 0,3, 2,1, 2,3]].reshape(B, 4*n, 2)).reshape(B, n, 4, 2)
+    return np.concatenate([c.min(2), c.max(2)], -1)
 
 def bb_pad_batch(boxes, labels, n, pad_idx=0):
     "fastai's `bb_pad` on a batch: boxes (B,k,4, the first `n` of each valid) clipped to [-1, 1], those with no area dropped with their labels, the rest padded (boxes with 0, labels with `pad_idx`) to the longest"
     B,k = boxes.shape[:2]
-    b = boxes.clamp(-1, 1)
-    keep = (torch.arange(k, device=b.device) < n[:, None]) & ((b[..., 2]-b[..., 0])*(b[..., 3]-b[..., 1]) > 0)
-    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices   # the kept first, in their order
-    b,l,m = b.gather(1, order[..., None].expand(-1, -1, 4)),labels.gather(1, order),keep.sum(1)
-    k = int(m.max()) if B else 0   # (fastai pads to the batch's longest sample: one read of the counts)
-    pad = torch.arange(k, device=b.device) >= m[:, None]
-    return b[:, :k].masked_fill(pad[..., None], 0.),l[:, :k].masked_fill(pad, pad_idx)
+    b = boxes.clip(-1, 1)
+    keep = (np.arange(k) < n[:, None]) & ((b[..., 2]-b[..., 0])*(b[..., 3]-b[..., 1]) > 0)
+    order = np.argsort(~keep, axis=1, kind='stable')   # the kept first, in their order
+    b,l,m = np.take_along_axis(b, order[..., None], 1),np.take_along_axis(labels, order, 1),keep.sum(1)
+    k = int(m.max()) if B else 0   # (fastai pads to the batch's longest sample)
+    pad = np.arange(k) >= m[:, None]
+    b,l = b[:, :k],l[:, :k]   # (views of the new arrays `take_along_axis` made)
+    b[pad],l[pad] = 0,pad_idx
+    return b,l
+
 
 # %% ../nbs/03ca_targets.ipynb #c020
 def _to(t, device):
-    "CPU tensor `t` on `device`, without waiting for the device's queue (through pinned memory)"
-    return t.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else t
+    "Host array `t` as a tensor on `device`, without waiting for the device's queue (through pinned memory)"
+    t = torch.from_numpy(np.ascontiguousarray(t))
+    return t.pin_memory().to(device, non_blocking=True) if device is not None and device.type == 'cuda' else t
 
 def _maps(maps, d, n):
     "The item maps (n,6) and a fused warp's homographies (n,3,3, or None) of a batch of `n`, made on the host from DALI's outputs `d`"
     if maps is None or maps.item is None: return None,None
-    return torch.from_numpy(maps.item(d, n)),(None if maps.warp is None else torch.from_numpy(maps.warp(d, n)))
+    return maps.item(d, n),(None if maps.warp is None else maps.warp(d, n))
 
 @patch
 def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None, device=None):
     "The batch's targets from the loader's `targets` (one per item, where `idx` is) for item indices `idx`, DALI's outputs `d`, `mask()` (the masks), the points' `maps` (made from `d`), on `device`"
+    if not self.points: return tuple(mask() if k == 'mask' else t[idx] for k,t in zip(self.kinds, targets))
     # With points or boxes, DALI gives the item indices on the CPU: the coordinates are moved and `bb_pad` runs on the host
-    # (a few small tensors), then they go to the device through pinned memory: no wait for the device's queue (`bb_pad`
-    # reads how many boxes each sample keeps), no kernel launches in the training loop's stream
-    gi,gb = _maps(maps, d, len(idx))
+    # (numpy, a few small arrays), then they go to the device through pinned memory: no wait for the device's queue
+    # (`bb_pad` reads how many boxes each sample keeps), no kernel launches in the training loop's stream
+    i,(gi,gb) = idx.numpy(),_maps(maps, d, len(idx))
     res,lens = [],[]
     for k,t in zip(self.kinds, targets):
         if k == 'mask': res.append(mask()); lens.append(None); continue
-        y,n = t.gather(idx) if isinstance(t, Ragged) else (t[idx], None)
-        if k in _coords and self.y_first: y = y.view(*y.shape[:-1], -1, 2).flip(-1).view(y.shape)  # PointScaler's (y, x) -> (x, y)
-        if k == 'points': y = move_points(y.view(len(idx), -1, 2), gi).view(y.shape)
-        if k == 'boxes': y = move_boxes(y.view(len(idx), -1, 4), lambda c: move_points(c, gi))
+        y,n = t.gather(i) if isinstance(t, Ragged) else (t.numpy()[i], None)
+        if k in _coords and self.y_first: y = y.reshape(*y.shape[:-1], -1, 2)[..., ::-1].reshape(y.shape)  # PointScaler's (y, x) -> (x, y)
+        if k == 'points': y = move_points(y.reshape(len(i), -1, 2), gi).reshape(y.shape)
+        if k == 'boxes': y = move_boxes(y.reshape(len(i), -1, 4), lambda c: move_points(c, gi))
         res.append(y); lens.append(n)
     if self.pad_idx is not None:  # before the batch stages, as fastai's before_batch
         b,l = res
-        n = lens[0] if lens[0] is not None else torch.full((len(idx),), b.shape[1], device=b.device)
-        res = list(bb_pad_batch(b, l, n, self.pad_idx))
+        res = list(bb_pad_batch(b, l, lens[0] if lens[0] is not None else np.full(len(i), b.shape[1]), self.pad_idx))
     if gb is not None:  # a batch stage fused in DALI moved the images: move the coordinates with them (padding rows too, as fastai)
         res = [move_points(y, gb=gb) if k == 'points' else move_boxes(y, lambda c: move_points(c, gb=gb)) if k == 'boxes' else y
                for k,y in zip(self.kinds, res)]
-    return tuple(y if device is None or y.device == device else _to(y, device) for y in res)
+    return tuple(y if isinstance(y, torch.Tensor) else _to(y, device) for y in res)
+
 
 # %% ../nbs/03ca_targets.ipynb #c021
 def _crop_points(p, tl, cp, H, W, size):

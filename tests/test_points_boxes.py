@@ -140,7 +140,11 @@ def dali_item_maps(item_tfms, shapes, presets, train=True, batch_tfms=()):
     p = pipe(); p.build()
     g,n = graphs[0],len(imgs)
     d = {k: np.stack([np.array(o[i]) for i in range(n)]) for k,o in zip(g.point_outputs, p.run())}
-    return [torch.tensor(g.host.item(d, n))] + ([] if g.host.warp is None else [torch.tensor(g.host.warp(d, n))])
+    return [g.host.item(d, n)] + ([] if g.host.warp is None else [g.host.warp(d, n)])
+
+def moved(p, gi, gb=None):
+    "Points `p` (B,n,2) moved by the maps `gi` (and `gb`) as `TargetPlan.batch` moves them (on the host, in numpy), as a tensor"
+    return torch.from_numpy(move_points(np.asarray(p, np.float32), gi, gb))
 
 def const(vals, dtype=np.float32):
     "A DALI node of per-sample values `vals` (arrays)"
@@ -167,7 +171,7 @@ def test_resize_crop_train_draws(exact):
     for k,(h,w) in enumerate(SHAPES):
         t.pcts = (float(u[k, 1]), float(u[k, 0]))
         exp = fastai_points(PTS(h, w), w, h, lambda p: t.encodes(p))
-        got = move_points(torch.tensor(PTS(h, w))[None], gi[k:k+1])[0]
+        got = moved([PTS(h, w)], gi[k:k+1])[0]
         torch.testing.assert_close(got, exp, atol=1e-4, rtol=0)
 
 def _exact(item_tfms, presets):
@@ -188,7 +192,7 @@ def test_random_crop_train_draws():
         # DALI's window sits at round(u*(W-w)): the same window given to fastai's crop
         t.orig_sz,t.tl = (w, h),(int(np.floor(u[k,1]*(w-24)+0.5)), int(np.floor(u[k,0]*(h-24)+0.5)))
         exp = fastai_points(PTS(h, w), w, h, lambda p: t.encodes(p))
-        torch.testing.assert_close(move_points(torch.tensor(PTS(h, w))[None], gi[k:k+1])[0], exp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(moved([PTS(h, w)], gi[k:k+1])[0], exp, atol=1e-4, rtol=0)
 
 def test_random_resized_crop_train_draws():
     t = RandomResizedCrop((28, 20))
@@ -199,7 +203,7 @@ def test_random_resized_crop_train_draws():
         (ay,ax),(sh,sw) = wins[k]
         t.orig_sz,t.final_size,t.tl,t.cp_size = (w, h),t.size,(ax, ay),(sw, sh)
         exp = fastai_points(PTS(h, w), w, h, lambda p: t.encodes(p))
-        torch.testing.assert_close(move_points(torch.tensor(PTS(h, w))[None], gi[k:k+1])[0], exp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(moved([PTS(h, w)], gi[k:k+1])[0], exp, atol=1e-4, rtol=0)
 
 def test_affine_train_draws():
     """flip, rotate, zoom and warp of `aug_transforms` moved as fastai moves points (`TensorPoint.affine_coord`)"""
@@ -218,7 +222,7 @@ def test_affine_train_draws():
     pts = torch.tensor([[[8., 6.], [20., 15.], [39., 1.], [-3., 33.]]]*4)
     x = TensorImage(torch.zeros(4, 3, H, W))
     _,exp = fa((x, TensorPoint(pts*2/torch.tensor([W, H]) - 1)), split_idx=0)
-    torch.testing.assert_close(move_points(pts, gi, gb.view(-1, 3, 3)), plain(exp), atol=1e-4, rtol=0)
+    torch.testing.assert_close(moved(pts, gi, gb.reshape(-1, 3, 3)), plain(exp), atol=1e-4, rtol=0)
 
 # --- (3) where fastai's points do not follow its image: they follow the image's marker ----------------------------
 
