@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_data.ipynb #c003
 from __future__ import annotations
-import copy, warnings
+import copy, os, warnings
 from pathlib import Path
 from fastcore.basics import *
 from fastcore.meta import delegates
@@ -13,7 +13,7 @@ from fastcore.basics import noop
 from functools import partial
 from fastai.data.core import DataLoaders, TfmdLists
 from fastai.data.block import DataBlock, CategoryBlock
-from fastai.data.transforms import get_image_files, parent_label, GrandparentSplitter, RandomSplitter
+from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter
 from fastai.vision.core import PILImage
 from fastai.vision.data import ImageBlock, ImageDataLoaders
 from .core import *
@@ -26,6 +26,13 @@ from .distributed import *  # under fastai's distrib_ctx each process gets its s
 __all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
+def _has_image(p):
+    "Whether folder `p` holds an image file (`get_image_files`' rule: not hidden, an image extension), looking no further than the first"
+    for root,dirs,files in os.walk(p, followlinks=True):  # (top-down: a class folder's listing is enough for a data set)
+        dirs[:] = [d for d in dirs if not d.startswith('.')]
+        if any(not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in image_extensions for f in files): return True
+    return False
+
 def check_image_folder(path, folders=None):
     "Raise a clear error if `path` (or one of its `folders`) is missing or holds no images"
     path = Path(path)
@@ -34,7 +41,7 @@ def check_image_folder(path, folders=None):
     for f in L(folders) if folders else [None]:
         p = path if f is None else path/f
         if not p.is_dir(): raise FileNotFoundError(f"folder {str(p)!r} does not exist (from `{f}` under {str(path)!r})")
-        if not get_image_files(p):
+        if not _has_image(p):  # (not a walk of all the files: fastai's `get_image_files` walks them next)
             anything = next(p.rglob('*'), None)
             why = 'is empty' if anything is None else f"has no image files (extensions like .jpg, .png; found e.g. {anything.name!r})"
             raise ValueError(f"folder {str(p)!r} {why}")

@@ -12,7 +12,9 @@ import numpy as np, torch
 from PIL import Image
 from fastcore.basics import *
 from fastcore.foundation import L
-from fasttransform import compose_tfms
+from typing import Any
+from fasttransform import compose_tfms, Transform
+from fastai.data.transforms import Categorize, ColReader, parent_label
 from fastai.vision.core import PILBase, PILMask, TensorPoint
 from .core import *
 from .formats import *
@@ -129,11 +131,51 @@ def pil_mode(ds, default='RGB'):
     return default
 
 # %% ../nbs/03c_items.ipynb #c011
+def _not_in_vocab(tl, f, why):
+    return ValueError(f"the label of {f} is not in the vocab {list(getattr(tl, 'vocab', []))} ({why}). "
+                      "fastai builds the vocab from the training set: is this class missing from train?")
+
 def _encode(tl, i, f):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
-    except KeyError as e:
-        raise ValueError(f"the label of {f} is not in the vocab {list(getattr(tl, 'vocab', []))} ({e.args[0]}). "
-                         "fastai builds the vocab from the training set: is this class missing from train?") from None
+    except KeyError as e: raise _not_in_vocab(tl, f, e.args[0]) from None
+
+def _plain_fn(t):
+    "The function a plain fastai `Transform` wraps (a `get_y` such as `parent_label`, `RegexLabeller`, `ColReader`), or None"
+    if type(t) is not Transform or t.split_idx is not None: return None
+    ms = getattr(getattr(t, 'encodes', None), 'methods', [])
+    return ms[0].implementation if len(ms) == 1 and tuple(ms[0].signature.types) in ((), (Any,), (object,)) else None
+
+def _parent_names(items):
+    "`parent_label` of every item, as string operations (no `Path` made an item)"
+    return [os.path.basename(os.path.dirname(os.fspath(o))) for o in items]
+
+def _labels(items, fns):
+    "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), or None where that needs fastai's own pipeline"
+    if hasattr(items, 'iloc'):  # a data frame: a `ColReader` of one column reads the column
+        f = fns[0] if len(fns) == 1 else None
+        if not (isinstance(f, ColReader) and len(f.cols) == 1 and f.label_delim is None): return None
+        c = f.cols[0]
+        col = (items.iloc[:, c] if isinstance(c, int) else items[c]).tolist()
+        return col if not (f.pref or f.suff) else [f'{f.pref}{o}{f.suff}' for o in col]
+    if any(isinstance(o, tuple) for o in items[:1]): return None  # (fastai maps a transform over a tuple's parts)
+    ys = list(items)
+    for f in fns:
+        ys = _parent_names(ys) if f is parent_label and all(isinstance(o, Path) for o in ys) else [f(o) for o in ys]
+    return ys
+
+def _codes(tl, files):
+    "The class index of every item of `tl` (`get_y` functions, then `Categorize`) as one int64 array, without fastai's per-item pipeline; None for other targets. `files`: the items' images, for errors"
+    fs = list(getattr(getattr(tl, 'tfms', None), 'fs', []))
+    if not fs or type(fs[-1]) is not Categorize or getattr(fs[-1], 'vocab', None) is None: return None
+    fns = [_plain_fn(t) for t in fs[:-1]]
+    if any(f is None for f in fns): return None
+    ys = _labels(tl.items, fns)
+    if ys is None: return None
+    o2i = fs[-1].vocab.o2i
+    try: return np.fromiter(map(o2i.__getitem__, ys), np.int64, len(ys))
+    except KeyError:
+        i = next(i for i,y in enumerate(ys) if y not in o2i)
+        raise _not_in_vocab(tl, files[i], f"Label '{ys[i]}' was not included in the training dataset") from None
 
 class MaskFiles(list): "Paths of the mask of each item, decoded by DALI alongside the images"
 
@@ -181,6 +223,8 @@ def y_targets(ds, files):
             if not isinstance(masks, list) or len(masks) != len(files):
                 raise NotImplementedError("DaliDL reads masks from files only (a `get_y` giving a path per item)")
             res.append(MaskFiles(masks)); continue
+        codes = _codes(tl, files)   # (a class index an item, as array operations where fastai's transforms allow)
+        if codes is not None: res.append(torch.from_numpy(codes)); continue
         ys = [_encode(tl, i, f) for i,f in enumerate(files)]
         same = all(y.shape == ys[0].shape for y in ys)
         res.append(Ragged.of(ys) if not same and all(y.dim() >= 1 for y in ys) else torch.stack(ys) if ys else torch.empty(0))
