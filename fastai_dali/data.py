@@ -23,7 +23,7 @@ from .loader import *
 from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
 
 # %% auto #0
-__all__ = ['check_image_folder', 'DaliDataLoaders', 'ZipMember']
+__all__ = ['check_image_folder', 'DaliDataLoaders', 'grandparent_splits', 'GivenSplits', 'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
 def _has_image(p):
@@ -109,17 +109,31 @@ class DaliDataLoaders(DataLoaders):
         return res
 
 # %% ../nbs/04_data.ipynb #c013
+def _parent(o): return os.path.basename(os.path.dirname(os.fspath(o)))
+
+def grandparent_splits(items, train='train', valid='valid'):
+    "fastai's `GrandparentSplitter(train, valid)(items)`, as string operations on the items' paths"
+    gp = [_parent(os.path.dirname(os.fspath(o))) for o in items]
+    return [[i for i,g in enumerate(gp) if g == n] for n in (train, valid)]
+
+class GivenSplits:
+    "A `DataBlock` splitter that gives `splits`, computed beforehand for the items it is given"
+    def __init__(self, splits): self.splits = splits
+    def __call__(self, items): return self.splits
+
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
 def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_pct=None, seed=None, vocab=None,
                 item_tfms=None, batch_tfms=None, img_cls=PILImage, **kwargs):
     "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`)"
     check_image_folder(path, None if valid_pct else [train, valid])
-    splitter = GrandparentSplitter(train_name=train, valid_name=valid) if valid_pct is None else RandomSplitter(valid_pct, seed=seed)
-    get_items = get_image_files if valid_pct else partial(get_image_files, folders=[train, valid])
-    dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=get_items,
-                       splitter=splitter, get_y=parent_label, item_tfms=item_tfms, batch_tfms=batch_tfms)
+    items = get_image_files(path) if valid_pct else get_image_files(path, folders=[train, valid])
+    splits = RandomSplitter(valid_pct, seed=seed)(items) if valid_pct else grandparent_splits(items, train, valid)
+    if vocab is None and kwargs.get('on_error', 'raise') == 'raise': vocab = sorted({_parent(items[i]) for i in splits[0]})
+    dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=lambda _: items,
+                       splitter=GivenSplits(splits), get_y=parent_label, item_tfms=item_tfms, batch_tfms=batch_tfms)
     return cls.from_dblock(dblock, path, path=path, **kwargs)
+
 
 # %% ../nbs/04_data.ipynb #c015
 for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', 'from_df', 'from_csv', 'from_lists'):

@@ -99,20 +99,35 @@ def _jpeg_ends(tail:bytes):
     "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
     return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
 
+def _head_tail(f, tail=4096):
+    "The first 3 and the last `tail` bytes of file `f` (one read for a file no longer than `tail`)"
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        n = os.fstat(fd).st_size
+        end = os.pread(fd, tail, max(0, n - tail))
+        return (end[:3] if n <= tail else os.pread(fd, 3, 0)),end
+    finally: os.close(fd)
+
 def jpeg_problem(x, tail=4096):
     "Why JPEG `x` (a path or encoded bytes) is cut short, as fastai (PIL) sees it; `None` when complete or not a JPEG"
-    if isinstance(x, (str, Path)):
-        with open(x, 'rb') as f:
-            head = f.read(3); f.seek(0, os.SEEK_END); f.seek(max(0, f.tell()-tail)); end = f.read()
-    else: head,end = bytes(x[:3]),bytes(x[-tail:])
+    head,end = _head_tail(x, tail) if isinstance(x, (str, Path)) else (bytes(x[:3]),bytes(x[-tail:]))
     if head != b'\xff\xd8\xff' or _jpeg_ends(end): return None  # not a JPEG (DALI names those itself), or complete
     return pil_problem(x)
 
-def truncated_jpegs(files, num_threads=None):
+def _truncated_in(files, lo, hi):
+    "`truncated_jpegs` of `files[lo:hi]`, in one thread"
+    res = []
+    for i in range(lo, hi):
+        f = os.fspath(files[i])
+        if not f.lower().endswith(JPEG_EXTS): continue
+        try: r = jpeg_problem(f)
+        except OSError: continue  # missing or unreadable: DALI's reader names it
+        if r is not None: res.append((i, r))
+    return res
+
+def truncated_jpegs(files, num_threads=None, chunk=4096):
     "`[(index, reason)]` of the `.jpg` files among `files` that end before their end-of-image marker and PIL rejects"
-    cands = [i for i,f in enumerate(files) if str(f).lower().endswith(JPEG_EXTS)]
-    def check(i):
-        try: return jpeg_problem(files[i])
-        except OSError: return None  # missing or unreadable: DALI's reader names it
-    with ThreadPoolExecutor(num_threads or default_num_threads()) as ex: res = list(ex.map(check, cands))
-    return [(i,r) for i,r in zip(cands, res) if r is not None]
+    # chunks of files a task, not a task a file: at a million files the pool's own bookkeeping was most of the time
+    with ThreadPoolExecutor(num_threads or default_num_threads()) as ex:
+        parts = ex.map(lambda lo: _truncated_in(files, lo, min(lo+chunk, len(files))), range(0, len(files), chunk))
+        return [o for p in parts for o in p]
