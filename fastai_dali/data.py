@@ -109,11 +109,13 @@ class DaliDataLoaders(DataLoaders):
         return res
 
 # %% ../nbs/04_data.ipynb #c013
-def _parent(o): return os.path.basename(os.path.dirname(os.fspath(o)))
+def _parent(o):
+    "`Path(o).parent.name` of a normalized path `o` (e.g. a `Path`), as string operations"
+    return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
 
 def grandparent_splits(items, train='train', valid='valid'):
-    "fastai's `GrandparentSplitter(train, valid)(items)`, as string operations on the items' paths"
-    gp = [_parent(os.path.dirname(os.fspath(o))) for o in items]
+    "fastai's `GrandparentSplitter(train, valid)(items)` of `Path`s, as string operations on them"
+    gp = [p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '' for o in items]
     return [[i for i,g in enumerate(gp) if g == n] for n in (train, valid)]
 
 class GivenSplits:

@@ -275,13 +275,18 @@ class Feed:
         # GPU pipeline to torch as pinned memory through DLPack, which torch 2.11 refuses ("Unsupported device_type: 3");
         # the classic executor copies each output into a torch tensor of its own (one copy, on the GPU too, at no cost seen)
         xkw = dict(exec_dynamic=False) if plan.points else {}
-        pipe = fastai_pipeline(files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
+        # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built
+        lists = [None if fs is None or source is not None else FileList(fs, labels) for fs in (files, mfiles)]
+        pipe = fastai_pipeline(lists[0] or files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
-                               hw_decoder_load=spec.hw_decoder_load, mask_files=mfiles, names=outputs, **xkw, **kw)
+                               hw_decoder_load=spec.hw_decoder_load, mask_files=lists[1], names=outputs, **xkw, **kw)
         track_pipeline(pipe)
-        it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
+        try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
+        finally:
+            for o in lists:
+                if o is not None: o.drop()
         self.built = self.pipes.add(BuiltPipeline(pipe, it, plan, log, spec, files, names, source, gather_n))
         self.n_builds += 1
         del prev

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 from fastcore.basics import *
+from fastcore.imports import noop
 from fastcore.foundation import L
 from typing import Any
 from fasttransform import compose_tfms, Transform
@@ -43,7 +44,12 @@ def _x_pipeline(ds):
     if i is None: i = next((i for i,f in enumerate(fs) if 'create' in getattr(f, 'name', '')), len(fs))
     items = getattr(tl, 'items', L())
     items = [r for _,r in items.iterrows()] if hasattr(items, 'iterrows') else list(items)  # DataFrame rows, as `get_x` sees them
-    return items, fs[:i]
+    return items, [f for f in fs[:i] if not _is_noop(f)]  # (`DataBlock`'s default `get_x`: nothing to run an item)
+
+def _is_noop(t):
+    "Whether `t` is a plain `Transform` of fastcore's `noop` (what `DataBlock` puts where no `get_x` is given)"
+    ms = getattr(getattr(t, 'encodes', None), 'methods', [])
+    return type(t) is Transform and bool(ms) and all(m.implementation is noop for m in ms)
 
 # %% ../nbs/03c_items.ipynb #c006
 _png_dir = None
@@ -146,8 +152,8 @@ def _plain_fn(t):
     return ms[0].implementation if len(ms) == 1 and tuple(ms[0].signature.types) in ((), (Any,), (object,)) else None
 
 def _parent_names(items):
-    "`parent_label` of every item, as string operations (no `Path` made an item)"
-    return [os.path.basename(os.path.dirname(os.fspath(o))) for o in items]
+    "`parent_label` of every item (each a `Path`: a normalized path), as string operations (no `Path` made an item)"
+    return [p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else '' for o in items]
 
 def _labels(items, fns):
     "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), or None where that needs fastai's own pipeline"

@@ -4,6 +4,8 @@
 
 # %% ../nbs/02_pipeline.ipynb #c003
 from __future__ import annotations
+import os, shutil, tempfile
+from multiprocessing.util import Finalize
 from fastcore.basics import *
 from fastcore.foundation import L
 from nvidia.dali import pipeline_def, fn, types
@@ -13,7 +15,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'pipeline_outputs', 'fastai_pipeline']
+__all__ = ['DaliPlan', 'pipeline_outputs', 'FileList', 'fastai_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 def _rescale(before, after):
@@ -135,24 +137,60 @@ def pipeline_outputs(img, y, masks, g:DaliGraph):
     if masks is not None: res['m'] = masks
     return {**res, **g.point_outputs}
 
+# %% ../nbs/02_pipeline.ipynb #4960dcf3
+_lists = None
+
+def _lists_folder():
+    "This process's folder for `FileList`s, removed when it exits"
+    global _lists
+    if _lists is None:
+        _lists = tempfile.mkdtemp(prefix='fastai_dali_lists_')
+        Finalize(None, shutil.rmtree, args=(_lists, True), exitpriority=0)  # (as `_cached_png`'s: in the process that made it)
+    return _lists
+
+def _common_folder(names):
+    "The folder every name of `names` is under ('' for relative names with none in common), or None where a `file_list` cannot hold them"
+    if not names or any('\n' in s or '\r' in s or s != s.rstrip() for s in names): return None
+    lo,hi = min(names),max(names)   # (every name between two with a common folder has it too)
+    absolute = lo.startswith(os.sep)
+    if absolute != hi.startswith(os.sep) or (not absolute and any(s.startswith(os.sep) for s in names)): return None
+    root = os.path.commonpath([lo, hi])
+    return os.path.dirname(root) if root == lo else root  # (one file, or the same file every time)
+
+class FileList:
+    "`files` and their integer `labels` for DALI's file reader (`kw`): a `file_list` in a temporary file, relative to their common folder, or a `files=` list where a name cannot be a line"
+    def __init__(self, files, labels):
+        names = [os.fspath(f) for f in files]
+        self.path,root = None,_common_folder(names)
+        if root is None: self.kw = dict(files=names, labels=[int(l) for l in labels]); return
+        n = len(root) + (0 if not root or root.endswith(os.sep) else 1)
+        fd,self.path = tempfile.mkstemp(suffix='.txt', dir=_lists_folder())
+        with open(fd, 'w', encoding='utf-8', errors='surrogateescape') as f:
+            f.writelines(f'{s[n:]} {int(l)}\n' for s,l in zip(names, labels))
+        self.kw = dict(file_list=self.path, file_root=root or '.')
+    def drop(self):
+        "Remove the list's file: DALI read it when its pipeline was built"
+        if self.path is not None and os.path.exists(self.path): os.unlink(self.path)
+
 # %% ../nbs/02_pipeline.ipynb #c004
 _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
                     py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None):
-    "DALI graph: read `files` (with integer `labels`) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`)"
+    "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`)"
     pipe = Pipeline.current()
     gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
     # makes the order follow the loader's seed, the same for a mask reader (and for every shard given the same seed),
     # instead of DALI's fixed permutation (which `reader_seed=None` keeps)
-    rkw = dict(labels=list(labels), shuffle_after_epoch=shuffle, pad_last_batch=True, stick_to_shard=not shuffle,
+    rkw = dict(shuffle_after_epoch=shuffle, pad_last_batch=True, stick_to_shard=not shuffle,
                shard_id=shard_id, num_shards=num_shards)
     if reader_seed is not None:
         rkw['seed'] = reader_seed
         if shuffle: rkw['shuffle_after_epoch_seed'] = reader_seed
-    if source is None: jpegs,y = fn.readers.file(files=[str(f) for f in files], name='Reader', **rkw)
+    as_list = lambda fs: fs if isinstance(fs, FileList) else FileList(fs, labels)  # (its file goes when this process exits)
+    if source is None: jpegs,y = fn.readers.file(**as_list(files).kw, name='Reader', **rkw)
     else:  # a per-batch Python callback (in `py_workers` worker processes, each computing whole batches; 0: in this
         # one): the encoded images packed in one array, their lengths, the item indices (see `EpochSource`, 03d)
         wkw = dict(parallel=True, prefetch_queue_depth=py_workers) if py_workers else {}
@@ -177,7 +215,7 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     m = None
     if mask_files is not None:
         # Masks: lossless files decoded on the CPU, same reader order, same item transforms and random draws (nearest)
-        mj,_ = fn.readers.file(files=[str(f) for f in mask_files], **rkw)
+        mj,_ = fn.readers.file(**as_list(mask_files).kw, **rkw)
         m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
         m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
     outs = pipeline_outputs(img, y, m, g)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03d_sources.ipynb #c002
 from __future__ import annotations
-import os, struct, tempfile, weakref
+import ast, os, struct, sys, tempfile, traceback, warnings, weakref
 import numpy as np
 from multiprocessing import shared_memory
 from multiprocessing.util import Finalize
@@ -12,7 +12,7 @@ from fastcore.basics import *
 from .items import PythonSource
 
 # %% auto #0
-__all__ = ['EpochFlag', 'pack_bytes', 'EpochSource', 'python_workers_kwargs']
+__all__ = ['EpochFlag', 'pack_bytes', 'EpochSource', 'unguarded_script', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -107,10 +107,40 @@ class EpochSource(_PickledInFile):
         return *pack_bytes([self.src[int(i)] for i in idx]),idx
 
 
+# %% ../nbs/03d_sources.ipynb #7a931982
+def _is_main_test(t):
+    "Whether expression `t` is `__name__ == '__main__'` (either way round)"
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)): return False
+    sides = (t.left, t.comparators[0])
+    return (any(isinstance(s, ast.Name) and s.id == '__name__' for s in sides) and
+            any(isinstance(s, ast.Constant) and s.value == '__main__' for s in sides))
+
+def _guarded_lines(source:str):
+    "The (first, last) lines of the `if __name__ == '__main__':` blocks at the top level of a script's `source`, or None where it does not parse"
+    try: tree = ast.parse(source)
+    except (SyntaxError, ValueError): return None
+    return [(n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.If) and _is_main_test(n.test)]
+
+def unguarded_script():
+    "The file of the script running as `__main__` when this call comes from its top level outside `if __name__ == '__main__':` (DALI's spawned workers would run it again), else None"
+    main = sys.modules.get('__main__')
+    f = getattr(main, '__file__', None)
+    if not f or not os.path.isfile(f): return None  # a notebook, `python -c`: nothing to import again
+    top = next((fr for fr,_ in traceback.walk_stack(None) if fr.f_code.co_name == '<module>' and fr.f_globals is vars(main)), None)
+    if top is None: return None
+    try: blocks = _guarded_lines(open(f, encoding='utf-8').read())
+    except (OSError, UnicodeDecodeError): return None
+    return None if blocks is None or any(a <= top.f_lineno <= b for a,b in blocks) else f
+
 # %% ../nbs/03d_sources.ipynb #c012
 def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
+    if (script := unguarded_script()) is not None:
+        warnings.warn(f"{script} builds its loaders at its top level, outside `if __name__ == '__main__':`. DALI's worker "
+                      "processes start by importing the script ('spawn'), which would run it again, so `get_x` runs in this "
+                      f"process. Put the script's work under `if __name__ == '__main__':` for {n_workers} worker processes.", stacklevel=2)
+        return {}
     import cloudpickle
     try: cloudpickle.dumps(source.__getstate__())  # its state: no temp file yet (see `_PickledInFile`)
     except Exception as e:

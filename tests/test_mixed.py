@@ -100,23 +100,36 @@ def test_worker_callback_file_removed(loaders):
     del src; dd.valid.feed.release(); gc.collect()    # (a later test using `loaders` would build it again)
     assert not os.path.exists(fn)
 
-@pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU loader's, CI runs this")
-def test_script_without_main_guard_told_why(tmp_path):
-    "DALI's workers import the script ('spawn'): one that builds its loaders at the top level gets told what to do"
-    import subprocess, sys, textwrap
-    script = tmp_path/'train.py'
-    script.write_text(textwrap.dedent(f'''
+def _script(tmp_path, guarded):
+    "A training-style script building a `get_x`-bytes loader (1 worker process) at its top level, or under a main guard"
+    import textwrap
+    body = textwrap.dedent(f'''
+        path = make_image_folder(Path({str(tmp_path)!r})/'p', n_train=4, n_valid=2, classes=('coffee', 'rocket'))
+        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read, get_y=parent_label,
+                        splitter=GrandparentSplitter(), item_tfms=Resize(16))
+        dls = blk.dali_dataloaders(path, bs=2, device='cpu', py_workers=1)
+        x,y = dls.one_batch()
+        import multiprocessing
+        print('batch', tuple(x.shape), 'workers', len(multiprocessing.active_children()))
+        ''')
+    head = textwrap.dedent('''
         from pathlib import Path
         from fastai.vision.all import *
         from fastai_dali.all import *
         from fastai_dali.demo import make_image_folder
-        path = make_image_folder(Path({str(tmp_path)!r})/'p', n_train=4, n_valid=2, classes=('coffee', 'rocket'))
         def read(f): return Path(f).read_bytes()
-        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read, get_y=parent_label,
-                        splitter=GrandparentSplitter(), item_tfms=Resize(16))
-        blk.dali_dataloaders(path, bs=2, device='cpu', py_workers=1).one_batch()
-        '''))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, 'PYTHONWARNINGS': 'ignore'})
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode != 0 and last.startswith('fastai_dali.errors.DaliPythonError: ') and "__name__ == '__main__'" in last, r.stderr[-3000:]
+        ''')
+    script = tmp_path/'train.py'
+    script.write_text(head + ("if __name__ == '__main__':\n" + textwrap.indent(body, '    ') if guarded else body))
+    return script
+
+@pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU loader's, CI runs this")
+@pytest.mark.parametrize('guarded', [False, True])
+def test_script_with_or_without_main_guard(tmp_path, guarded):
+    "DALI's workers import the script ('spawn'): one that builds its loaders at the top level reads in its own process, and says how to get the workers; a guarded one gets them"
+    import subprocess, sys
+    r = subprocess.run([sys.executable, str(_script(tmp_path, guarded))], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == f"batch (2, 3, 16, 16) workers {1 if guarded else 0}", r.stdout
+    told = "outside `if __name__ == '__main__':`" in r.stderr
+    assert told != guarded, r.stderr[-3000:]
