@@ -1,0 +1,88 @@
+"""Time to the first training batch and peak host memory of `ImageDataLoaders.from_folder` and
+`DaliDataLoaders.from_folder` on an ImageNet-shaped folder of many small JPEGs, each loader in a fresh process.
+
+    python scripts/scale_first_batch.py [--n 200000] [--classes 1000] [--root /tmp/scale_200000] [--device cpu]
+        [--workers N] [--bs 256] [--repeats 1]
+
+The folder (`train/` and `valid/`, one folder a class, 64 x 48 px JPEGs made with PIL from crops of scikit-image's
+astronaut, ~1 validation image for 26 training ones) is written once, in parallel, and reused. Each row runs
+`python scripts/scale_first_batch.py --one KIND ...` in a new process: imports (not counted), the loaders' build, the
+first training batch; peak RSS of that process (and of its children: fastai's workers). Ratios are to
+ImageDataLoaders in the same run. The bench's `scale` section is to replace this script.
+"""
+import argparse, io, json, os, subprocess, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+
+def _write_class(job):
+    root, c, n_train, n_valid, variants = job
+    for split, m in (('train', n_train), ('valid', n_valid)):
+        d = Path(root)/split/f'n{c:08d}'
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(m): (d/f'n{c:08d}_{i}.JPEG').write_bytes(variants[(c*7 + i) % len(variants)])
+
+
+def make_scale_folder(root, n=200_000, classes=1000, procs=None):
+    "`root/{train,valid}/<class>/*.JPEG`: `n` training JPEGs (64 x 48) in `classes` folders, and about n/26 validation ones; reused if there"
+    import numpy as np, skimage.data
+    from PIL import Image
+    root = Path(root)
+    if (root/'done').exists(): return root
+    photo, rng = skimage.data.astronaut(), np.random.default_rng(0)
+    variants = []
+    for _ in range(64):
+        y, x = rng.integers(0, photo.shape[0]-48), rng.integers(0, photo.shape[1]-64)
+        b = io.BytesIO(); Image.fromarray(photo[y:y+48, x:x+64]).save(b, 'JPEG', quality=90); variants.append(b.getvalue())
+    per = n//classes
+    jobs = [(str(root), c, per, max(1, per//26), variants) for c in range(classes)]
+    with ProcessPoolExecutor(procs or os.cpu_count()) as ex: list(ex.map(_write_class, jobs, chunksize=8))
+    (root/'done').touch()
+    return root
+
+
+def one(kind, root, device, workers, bs):
+    "Build `kind`'s loaders on `root`, take the first training batch; print one JSON line"
+    import resource
+    from fastai.vision.all import ImageDataLoaders, Resize, Normalize, imagenet_stats
+    from fastai_dali.data import DaliDataLoaders
+    kw = dict(valid='valid', item_tfms=Resize(32), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs)
+    t0 = time.perf_counter()
+    if kind == 'ImageDataLoaders': dls = ImageDataLoaders.from_folder(root, num_workers=workers, device=device, **kw)
+    else: dls = DaliDataLoaders.from_folder(root, device=device, **kw)
+    t1 = time.perf_counter()
+    x, y = next(iter(dls.train))
+    t2 = time.perf_counter()
+    mb = lambda who: resource.getrusage(who).ru_maxrss/1024
+    print(json.dumps(dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
+                          children_mb=mb(resource.RUSAGE_CHILDREN), items=[len(dls.train_ds), len(dls.valid_ds)],
+                          vocab=len(dls.vocab))), flush=True)
+    os._exit(0)  # (the loaders' teardown is not timed)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--n', type=int, default=200_000); p.add_argument('--classes', type=int, default=1000)
+    p.add_argument('--root'); p.add_argument('--device', default='cpu'); p.add_argument('--workers', type=int, default=os.cpu_count())
+    p.add_argument('--bs', type=int, default=256); p.add_argument('--repeats', type=int, default=1); p.add_argument('--one')
+    a = p.parse_args()
+    root = a.root or f'/tmp/scale_{a.n}'
+    if a.one: return one(a.one, root, a.device, a.workers, a.bs)
+    t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')
+    rows = []
+    for r in range(a.repeats):
+        for kind in ('ImageDataLoaders', 'DaliDataLoaders'):
+            out = subprocess.run([sys.executable, __file__, '--one', kind, '--root', root, '--device', a.device,
+                                  '--workers', str(a.workers), '--bs', str(a.bs)], capture_output=True, text=True)
+            line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)
+            if line is None: sys.exit(f'{kind} failed:\n{out.stderr[-3000:]}')
+            rows.append(json.loads(line)); print(line)
+    base = [o for o in rows if o['kind'] == 'ImageDataLoaders']
+    print(f"\n| loader | build s | first batch s | to first batch s | peak MB | ratio (time, memory) |\n|---|---:|---:|---:|---:|---:|")
+    for o in rows:
+        b = base[rows.index(o)//2]
+        print(f"| {o['kind']} | {o['build']:.1f} | {o['first_batch']:.1f} | {o['total']:.1f} | {o['peak_mb']:,.0f} | "
+              f"{o['total']/b['total']:.2f}, {o['peak_mb']/b['peak_mb']:.2f} |")
+
+
+if __name__ == '__main__': main()
