@@ -12,8 +12,8 @@ from .core import *
 from .formats import *
 
 # %% auto #0
-__all__ = ['DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error', 'unreadable_images',
-           'jpeg_problem', 'truncated_jpegs']
+__all__ = ['BACKGROUND_MIN', 'DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error',
+           'unreadable_images', 'jpeg_problem', 'truncated_jpegs', 'JpegEndsCheck']
 
 # %% ../nbs/03b_errors.ipynb #c004
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
@@ -114,10 +114,10 @@ def jpeg_problem(x, tail=4096):
     if head != b'\xff\xd8\xff' or _jpeg_ends(end): return None  # not a JPEG (DALI names those itself), or complete
     return pil_problem(x)
 
-def _truncated_in(files, lo, hi):
-    "`truncated_jpegs` of `files[lo:hi]`, in one thread"
+def _truncated_in(files, idxs):
+    "`truncated_jpegs` of the `files` at `idxs`, in one thread"
     res = []
-    for i in range(lo, hi):
+    for i in idxs:
         f = os.fspath(files[i])
         if not f.lower().endswith(JPEG_EXTS): continue
         try: r = jpeg_problem(f)
@@ -129,5 +129,29 @@ def truncated_jpegs(files, num_threads=None, chunk=4096):
     "`[(index, reason)]` of the `.jpg` files among `files` that end before their end-of-image marker and PIL rejects"
     # chunks of files a task, not a task a file: at a million files the pool's own bookkeeping was most of the time
     with ThreadPoolExecutor(num_threads or default_num_threads()) as ex:
-        parts = ex.map(lambda lo: _truncated_in(files, lo, min(lo+chunk, len(files))), range(0, len(files), chunk))
+        parts = ex.map(lambda lo: _truncated_in(files, range(lo, min(lo+chunk, len(files)))), range(0, len(files), chunk))
         return [o for p in parts for o in p]
+
+BACKGROUND_MIN = 20_000  # data sets of at least this many files are checked while their first batches go
+
+class JpegEndsCheck:
+    "`truncated_jpegs` of `files` (named by `names` in errors): at once, or in a thread of its own (`background`) while the first batches go"
+    def __init__(self, files, names, num_threads:int=None, of=None, background:bool=False):
+        self.files,self.names,self.of,self.background = files,names,of,background
+        self._bad,self._f = None,None
+        if not background: self._bad = truncated_jpegs(files, num_threads); return
+        ex = ThreadPoolExecutor(1, thread_name_prefix='fastai_dali_jpeg_ends')
+        self._f = ex.submit(truncated_jpegs, files, num_threads); ex.shutdown(wait=False)
+    @property
+    def done(self): return self._f is None or self._f.done()
+    def bad(self):
+        "`[(index, reason)]` of the truncated JPEGs (waits for the check)"
+        return self._bad if self._f is None else self._f.result()
+    def raise_if_bad(self, wait=True):
+        "Raise a `DaliReadError` naming the first truncated JPEG of all, whatever the order read (`wait=False`: only if the check is done)"
+        if not (wait or self.done): return
+        if b := self.bad(): raise DaliReadError(read_error_msg(self.names[b[0][0]], f"the JPEG is truncated ({b[0][1]})")) from None
+    def check_batch(self, idxs):
+        "Before the items `idxs` are given: raise as `raise_if_bad` where the check found a truncated JPEG, or where one of theirs is (then after the whole check: the same error as a check before the first batch)"
+        if self.done: return self.raise_if_bad()
+        if _truncated_in(self.files, idxs): self.raise_if_bad()

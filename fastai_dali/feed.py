@@ -215,6 +215,7 @@ class Feed:
         self.inputs,self.inputs_of = None,None  # the `DaliInputs` of the dataset with id `inputs_of`
         self.targets_on = {}     # the inputs' targets, moved to each device DALI delivers on
         self.ends_checked = None # id of the dataset whose JPEG ends were checked
+        self.ends = None         # the `JpegEndsCheck` of the dataset with id `ends.of` (running, or done)
 
     def __getstate__(self):
         # a built pipeline holds threads and device memory: the unpickled feed builds its own, in a family of its own
@@ -233,11 +234,18 @@ class Feed:
         return self.targets_on[k]
 
     def check_jpeg_ends(self, num_threads:int=None):
-        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset)"
+        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset); a large one is checked while its first batches go (`JpegEndsCheck`)"
         if self.inputs.kind != 'files' or self.ends_checked == self.inputs_of: return
-        bad = truncated_jpegs(self.inputs.files, num_threads)
-        if bad: raise DaliReadError(read_error_msg(self.inputs.names[bad[0][0]], f"the JPEG is truncated ({bad[0][1]})"))
-        self.ends_checked = self.inputs_of
+        if self.ends is None or self.ends.of != self.inputs_of:
+            fs = self.inputs.files
+            self.ends = JpegEndsCheck(fs, self.inputs.names, num_threads, self.inputs_of, background=len(fs) >= BACKGROUND_MIN)
+        self.ends.raise_if_bad(wait=False)
+        if self.ends.done: self.ends_checked = self.inputs_of
+
+    def _ends_pending(self):
+        "The dataset's JPEG-end check while it runs, else None"
+        e = self.ends
+        return e if e is not None and e.of == self.inputs_of and self.ends_checked != self.inputs_of else None
 
     def build(self, spec:BuildSpec, get_idxs=None):
         "Build the DALI pipeline and iterator for `spec` (`get_idxs()`: fastai's item order, read when the loader does not shuffle)"
@@ -284,6 +292,9 @@ class Feed:
                                hw_decoder_load=spec.hw_decoder_load, mask_files=lists[1], names=outputs, **xkw, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
+        except DaliReadError:
+            if (e := self._ends_pending()) is not None: e.raise_if_bad()  # DALI met a truncated JPEG first: named as the check names it
+            raise
         finally:
             for o in lists:
                 if o is not None: o.drop()
@@ -321,13 +332,23 @@ class Feed:
         token = b.start_epoch()  # stays in epoch if the consumer abandons it: the next epoch ends it early or rebuilds
         while True:
             try: d = next(b.it)
-            except StopIteration: break
+            except StopIteration:
+                if (e := self._ends_pending()) is not None:  # the epoch's end waits for the check
+                    try: e.raise_if_bad()
+                    except DaliReadError: self.release(); raise
+                    self.ends_checked = self.inputs_of
+                break
             except Exception as e:
                 self.release()
                 # DALI's own errors name no file we can trust as is; the user's (e.g. from a `get_x`) keep their traceback
-                if isinstance(e, RuntimeError) and 'Critical error' in str(e): raise dali_read_error(e, b.files, b.names) from None
+                if isinstance(e, RuntimeError) and 'Critical error' in str(e):
+                    if (c := self._ends_pending()) is not None: c.raise_if_bad()  # (a truncated JPEG: named as the check names it)
+                    raise dali_read_error(e, b.files, b.names) from None
                 raise
             k = min(len(d[0]['y']), left)
+            if (e := self._ends_pending()) is not None:  # the check still running: this batch's files checked before it goes
+                try: e.check_batch(d[0]['y'].view(-1)[:k].tolist())
+                except DaliReadError: self.release(); raise
             left -= k
             if not k: continue  # drain, but never yield an empty batch
             self.gathered = None if b.gather_n is None else max(0, min(k*spec.num_shards, b.gather_n-pos))

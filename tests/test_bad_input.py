@@ -360,3 +360,24 @@ def test_truncated_found_after_show_batch_unique(tmp_path):
     finally: dd.valid.get_idxs = old
     with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
     assert str(f) in str(ei.value)
+
+@pytest.mark.parametrize('where', ['in the batch', 'elsewhere'])
+def test_truncated_found_while_first_batches_go(tmp_path, monkeypatch, where):
+    "A large data set's check runs while its first batches go (`JpegEndsCheck`): a batch holding a truncated JPEG is never given, and the error names it, whichever batch meets it; the next epoch says it again"
+    import itertools
+    from fastai_dali import errors
+    monkeypatch.setattr(errors, 'BACKGROUND_MIN', 0)   # (every data set counts as large)
+    monkeypatch.setattr('fastai_dali.feed.BACKGROUND_MIN', 0, raising=False)
+    root,(f,) = make_folder(tmp_path, ['truncated'])
+    dd = DaliDataLoaders.from_folder(root, device=DEVICE, bs=2, item_tfms=Resize(32))
+    if where == 'in the batch':
+        bad = next(i for i,o in enumerate(dd.valid.items) if Path(o) == f)
+        old = dd.valid.get_idxs; dd.valid.get_idxs = lambda: itertools.repeat(bad)
+        try:
+            with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(dd.valid.one_batch)
+        finally: dd.valid.get_idxs = old
+        assert str(f) in str(ei.value)
+    for _ in range(2):  # a whole epoch, twice: named each time, no hang
+        with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
+        assert str(f) in str(ei.value)
+    assert len(run_with_timeout(lambda: epoch(dd.train))) == len(dd.train)  # the train set is fine
