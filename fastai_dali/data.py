@@ -109,10 +109,6 @@ class DaliDataLoaders(DataLoaders):
         return res
 
 # %% ../nbs/04_data.ipynb #c013
-def _parent(o):
-    "`Path(o).parent.name` of a normalized path `o` (e.g. a `Path`), as string operations"
-    return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
-
 def grandparent_splits(items, train='train', valid='valid'):
     "fastai's `GrandparentSplitter(train, valid)(items)` of `Path`s, as string operations on them"
     gp = [p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '' for o in items]
@@ -131,11 +127,10 @@ def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_p
     check_image_folder(path, None if valid_pct else [train, valid])
     items = get_image_files(path) if valid_pct else get_image_files(path, folders=[train, valid])
     splits = RandomSplitter(valid_pct, seed=seed)(items) if valid_pct else grandparent_splits(items, train, valid)
-    if vocab is None and kwargs.get('on_error', 'raise') == 'raise': vocab = sorted({_parent(items[i]) for i in splits[0]})
+    if vocab is None and kwargs.get('on_error', 'raise') == 'raise': vocab = sorted({parent_name(items[i]) for i in splits[0]})
     dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=lambda _: items,
                        splitter=GivenSplits(splits), get_y=parent_label, item_tfms=item_tfms, batch_tfms=batch_tfms)
     return cls.from_dblock(dblock, path, path=path, **kwargs)
-
 
 # %% ../nbs/04_data.ipynb #c015
 for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', 'from_df', 'from_csv', 'from_lists'):

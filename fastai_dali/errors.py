@@ -137,7 +137,7 @@ BACKGROUND_MIN = 20_000  # data sets of at least this many files are checked whi
 class JpegEndsCheck:
     "`truncated_jpegs` of `files` (named by `names` in errors): at once, or in a thread of its own (`background`) while the first batches go"
     def __init__(self, files, names, num_threads:int=None, of=None, background:bool=False):
-        self.files,self.names,self.of,self.background = files,names,of,background
+        self.files,self.names,self.of = files,names,of
         self._bad,self._f = None,None
         if not background: self._bad = truncated_jpegs(files, num_threads); return
         ex = ThreadPoolExecutor(1, thread_name_prefix='fastai_dali_jpeg_ends')

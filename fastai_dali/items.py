@@ -22,8 +22,8 @@ from .formats import *
 from .errors import *
 
 # %% auto #0
-__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'MaskFiles', 'Ragged', 'y_targets', 'target_types',
-           'DaliInputs']
+__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
+           'target_types', 'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
 def _created_cls(f):
@@ -151,9 +151,9 @@ def _plain_fn(t):
     ms = getattr(getattr(t, 'encodes', None), 'methods', [])
     return ms[0].implementation if len(ms) == 1 and tuple(ms[0].signature.types) in ((), (Any,), (object,)) else None
 
-def _parent_names(items):
-    "`parent_label` of every item (each a `Path`: a normalized path), as string operations (no `Path` made an item)"
-    return [p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else '' for o in items]
+def parent_name(o):
+    "fastai's `parent_label` of a normalized path `o` (e.g. a `Path`), as string operations (no `Path` made)"
+    return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
 
 def _labels(items, fns):
     "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), or None where that needs fastai's own pipeline"
@@ -166,7 +166,7 @@ def _labels(items, fns):
     if any(isinstance(o, tuple) for o in items[:1]): return None  # (fastai maps a transform over a tuple's parts)
     ys = list(items)
     for f in fns:
-        ys = _parent_names(ys) if f is parent_label and all(isinstance(o, Path) for o in ys) else [f(o) for o in ys]
+        ys = list(map(parent_name, ys)) if f is parent_label and all(isinstance(o, Path) for o in ys) else [f(o) for o in ys]
     return ys
 
 def _codes(tl, files):

@@ -169,7 +169,6 @@ def bb_pad_batch(boxes, labels, n, pad_idx=0):
     b[pad],l[pad] = 0,pad_idx
     return b,l
 
-
 # %% ../nbs/03ca_targets.ipynb #c020
 def _to(t, device):
     "Host array `t` as a tensor on `device`, without waiting for the device's queue (through pinned memory)"
@@ -204,7 +203,6 @@ def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None, devic
         res = [move_points(y, gb=gb) if k == 'points' else move_boxes(y, lambda c: move_points(c, gb=gb)) if k == 'boxes' else y
                for k,y in zip(self.kinds, res)]
     return tuple(y if isinstance(y, torch.Tensor) else _to(y, device) for y in res)
-
 
 # %% ../nbs/03ca_targets.ipynb #c021
 def _crop_points(p, tl, cp, H, W, size):
