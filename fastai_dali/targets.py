@@ -4,7 +4,7 @@
 
 # %% ../nbs/03ca_targets.ipynb #c003
 from __future__ import annotations
-import functools, inspect, types, typing
+import functools, inspect, types, typing, sys, threading
 from typing import Any
 from dataclasses import dataclass
 import numpy as np, torch
@@ -18,7 +18,8 @@ from .transforms import *
 from .items import *
 
 # %% auto #0
-__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch']
+__all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch',
+           'QuickGil']
 
 # %% ../nbs/03ca_targets.ipynb #c005
 def _accepts(ann, typ):
@@ -154,20 +155,36 @@ def move_boxes(b, f):
     "Boxes `b` (B,n,4: x0,y0,x1,y1) moved by `f`, a map of points (B,m,2): the box around their four moved corners (fastai's `TensorBBox.affine_coord`)"
     B,n = b.shape[:2]
     c = f(b[..., [0,1, 0,3, 2,1, 2,3]].reshape(B, 4*n, 2)).reshape(B, n, 4, 2)
-    return np.concatenate([c.min(2), c.max(2)], -1)
+    c0,c1,c2,c3 = c[:, :, 0],c[:, :, 1],c[:, :, 2],c[:, :, 3]   # (element-wise, not a reduction along an axis: see below)
+    return np.concatenate([np.minimum(np.minimum(c0, c1), np.minimum(c2, c3)), np.maximum(np.maximum(c0, c1), np.maximum(c2, c3))], -1)
 
 def bb_pad_batch(boxes, labels, n, pad_idx=0):
     "fastai's `bb_pad` on a batch: boxes (B,k,4, the first `n` of each valid) clipped to [-1, 1], those with no area dropped with their labels, the rest padded (boxes with 0, labels with `pad_idx`) to the longest"
     B,k = boxes.shape[:2]
     b = boxes.clip(-1, 1)
     keep = (np.arange(k) < n[:, None]) & ((b[..., 2]-b[..., 0])*(b[..., 3]-b[..., 1]) > 0)
-    order = np.argsort(~keep, axis=1, kind='stable')   # the kept first, in their order
-    b,l,m = np.take_along_axis(b, order[..., None], 1),np.take_along_axis(labels, order, 1),keep.sum(1)
-    k = int(m.max()) if B else 0   # (fastai pads to the batch's longest sample)
-    pad = np.arange(k) >= m[:, None]
-    b,l = b[:, :k],l[:, :k]   # (views of the new arrays `take_along_axis` made)
-    b[pad],l[pad] = 0,pad_idx
-    return b,l
+    # the kept first, in their order: each one's place is the number kept before it (no sort, no reduction along an axis)
+    place = np.cumsum(keep, 1) - 1
+    K = int((place[:, -1] + 1).max()) if B and k else 0   # (fastai pads to the batch's longest sample)
+    ob,ol = np.zeros((B, K+1, 4), b.dtype),np.full((B, K+1), pad_idx, labels.dtype)
+    dest,r = np.where(keep, place, K),np.arange(B)[:, None]   # (the dropped ones to a spare last column)
+    ob[r, dest],ol[r, dest] = b,labels
+    return ob[:, :K],ol[:, :K]
+
+# %% ../nbs/03ca_targets.ipynb #2cd02ba0
+class QuickGil:
+    "Within it, Python's switch interval is at most `interval` seconds (the GIL comes back that soon from a thread that took it); the interval the process had comes back once no thread is within one"
+    _lock,_depth,_old = threading.Lock(),0,None
+    def __init__(self, interval=1e-4): self.interval = interval
+    def __enter__(self):
+        with QuickGil._lock:
+            if QuickGil._depth == 0: QuickGil._old = sys.getswitchinterval()
+            QuickGil._depth += 1
+            sys.setswitchinterval(min(QuickGil._old, self.interval))
+    def __exit__(self, *exc):
+        with QuickGil._lock:
+            QuickGil._depth -= 1
+            if QuickGil._depth == 0: sys.setswitchinterval(QuickGil._old)
 
 # %% ../nbs/03ca_targets.ipynb #c020
 def _to(t, device):
@@ -185,24 +202,26 @@ def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None, devic
     "The batch's targets from the loader's `targets` (one per item, where `idx` is) for item indices `idx`, DALI's outputs `d`, `mask()` (the masks), the points' `maps` (made from `d`), on `device`"
     if not self.points: return tuple(mask() if k == 'mask' else t[idx] for k,t in zip(self.kinds, targets))
     # With points or boxes, DALI gives the item indices on the CPU: the coordinates are moved and `bb_pad` runs on the host
-    # (numpy, a few small arrays), then they go to the device through pinned memory: no wait for the device's queue
-    # (`bb_pad` reads how many boxes each sample keeps), no kernel launches in the training loop's stream
-    i,(gi,gb) = idx.numpy(),_maps(maps, d, len(idx))
-    res,lens = [],[]
-    for k,t in zip(self.kinds, targets):
-        if k == 'mask': res.append(mask()); lens.append(None); continue
-        y,n = t.gather(i) if isinstance(t, Ragged) else (t.numpy()[i], None)
-        if k in _coords and self.y_first: y = y.reshape(*y.shape[:-1], -1, 2)[..., ::-1].reshape(y.shape)  # PointScaler's (y, x) -> (x, y)
-        if k == 'points': y = move_points(y.reshape(len(i), -1, 2), gi).reshape(y.shape)
-        if k == 'boxes': y = move_boxes(y.reshape(len(i), -1, 4), lambda c: move_points(c, gi))
-        res.append(y); lens.append(n)
-    if self.pad_idx is not None:  # before the batch stages, as fastai's before_batch
-        b,l = res
-        res = list(bb_pad_batch(b, l, lens[0] if lens[0] is not None else np.full(len(i), b.shape[1]), self.pad_idx))
-    if gb is not None:  # a batch stage fused in DALI moved the images: move the coordinates with them (padding rows too, as fastai)
-        res = [move_points(y, gb=gb) if k == 'points' else move_boxes(y, lambda c: move_points(c, gb=gb)) if k == 'boxes' else y
-               for k,y in zip(self.kinds, res)]
-    return tuple(y if isinstance(y, torch.Tensor) else _to(y, device) for y in res)
+    # (numpy, a few small arrays, the GIL handed back quickly: see above), then they go to the device through pinned memory:
+    # no wait for the device's queue (`bb_pad` reads how many boxes each sample keeps), no kernel in the training loop's stream
+    with QuickGil():
+        i,(gi,gb) = idx.numpy(),_maps(maps, d, len(idx))
+        res,lens = [],[]
+        for k,t in zip(self.kinds, targets):
+            if k == 'mask': res.append(mask()); lens.append(None); continue
+            y,n = t.gather(i) if isinstance(t, Ragged) else (t.numpy()[i], None)
+            if k in _coords and self.y_first: y = y.reshape(*y.shape[:-1], -1, 2)[..., ::-1].reshape(y.shape)  # PointScaler's (y, x) -> (x, y)
+            if k == 'points': y = move_points(y.reshape(len(i), -1, 2), gi).reshape(y.shape)
+            if k == 'boxes': y = move_boxes(y.reshape(len(i), -1, 4), lambda c: move_points(c, gi))
+            res.append(y); lens.append(n)
+        if self.pad_idx is not None:  # before the batch stages, as fastai's before_batch
+            b,l = res
+            res = list(bb_pad_batch(b, l, lens[0] if lens[0] is not None else np.full(len(i), b.shape[1]), self.pad_idx))
+        if gb is not None:  # a batch stage fused in DALI moved the images: move the coordinates with them (padding rows too, as fastai)
+            res = [move_points(y, gb=gb) if k == 'points' else move_boxes(y, lambda c: move_points(c, gb=gb)) if k == 'boxes' else y
+                   for k,y in zip(self.kinds, res)]
+        return tuple(y if isinstance(y, torch.Tensor) else _to(y, device) for y in res)
+
 
 # %% ../nbs/03ca_targets.ipynb #c021
 def _crop_points(p, tl, cp, H, W, size):

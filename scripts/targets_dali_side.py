@@ -51,15 +51,31 @@ def profile(dl, n=14):
     s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('tottime').print_stats(n)
     return '\n'.join(l for l in s.getvalue().splitlines() if l.strip() and 'Ordered by' not in l and 'List reduced' not in l)
 
+def torch_profile(dl, n=12):
+    "torch's profiler over one epoch of `dl`: the ops and copies the loader adds on the host and the device, most host time first"
+    from torch.profiler import profile as tprofile, ProfilerActivity
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == 'cuda' else [])
+    with tprofile(activities=acts) as pr:
+        for _ in dl: pass
+        sync()
+    return pr.key_averages().table(sort_by='self_cpu_time_total', row_limit=n)
+
+def used_gb():
+    "The device memory in use by this process and others (DALI's pools included), GB"
+    if dev != 'cuda': return 0.
+    free,total = torch.cuda.mem_get_info()
+    return round((total - free)/1e9, 2)
+
 def main(root, rounds=2):
     warnings.simplefilter('ignore')
     norm = Normalize.from_stats(*imagenet_stats)
     pipelines = {'Resize': (Resize(224), [norm]), 'RandomResizedCrop': (RandomResizedCrop(224, min_scale=0.35), [norm]),
                  'RandomResizedCrop + aug_transforms()': (RandomResizedCrop(224, min_scale=0.35), [*aug_transforms(), norm])}
     for p,(it,bt) in pipelines.items():
-        dls = loaders(root, it, bt)
-        for dl in dls.values():
+        dls,before = loaders(root, it, bt),used_gb()
+        for k,dl in dls.items():
             for _ in dl: pass
+            print(f'{p}, {k}: device memory in use after its first epoch {used_gb()} GB (before the first: {before})', flush=True)
         res = {k: [] for k in dls}
         for r in range(rounds):
             for k,dl in dls.items():
@@ -68,7 +84,9 @@ def main(root, rounds=2):
             print(f"{p}, {k}: DALI's side {[a for a,_ in v]}, the loader {[b for _,b in v]} img/s", flush=True)
         if p.endswith('aug_transforms()'):
             for k,dl in dls.items():
-                if 'labels' not in k or 'classic' in k: print(f'\nhost time, one epoch: {p}, {k}\n{profile(dl)}', flush=True)
+                if 'labels' not in k or 'classic' in k:
+                    print(f'\nhost time, one epoch: {p}, {k}\n{profile(dl)}', flush=True)
+                    print(f'\ntorch profiler, one epoch: {p}, {k}\n{torch_profile(dl)}', flush=True)
         del dls
 
 if __name__ == '__main__': main(Path(sys.argv[1]), *map(int, sys.argv[2:]))
