@@ -12,6 +12,7 @@ import numpy as np, torch
 from PIL import Image
 from fastcore.basics import *
 from fastcore.imports import noop
+import fastai.imports
 from fastcore.foundation import L
 from typing import Any
 from fasttransform import compose_tfms, Transform
@@ -46,10 +47,12 @@ def _x_pipeline(ds):
     items = [r for _,r in items.iterrows()] if hasattr(items, 'iterrows') else list(items)  # DataFrame rows, as `get_x` sees them
     return items, [f for f in fs[:i] if not _is_noop(f)]  # (`DataBlock`'s default `get_x`: nothing to run an item)
 
+_noops = {noop, getattr(fastai.imports, 'noop', noop)}   # (fastai 2.8 defines its own `noop`, which `DataBlock` uses)
+
 def _is_noop(t):
-    "Whether `t` is a plain `Transform` of fastcore's `noop` (what `DataBlock` puts where no `get_x` is given)"
+    "Whether `t` is a plain `Transform` of fastcore's or fastai's `noop` (what `DataBlock` puts where no `get_x` is given)"
     ms = getattr(getattr(t, 'encodes', None), 'methods', [])
-    return type(t) is Transform and bool(ms) and all(m.implementation is noop for m in ms)
+    return type(t) is Transform and bool(ms) and all(m.implementation in _noops for m in ms)
 
 # %% ../nbs/03c_items.ipynb #c006
 _png_dir = None
