@@ -5,7 +5,8 @@
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
 import io, json, os, tarfile, warnings, mmap, contextlib
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ThreadPoolExecutor, ProcessPoolExecutor
 from dataclasses import dataclass
 from glob import glob, escape as glob_escape
 from pathlib import Path
@@ -16,11 +17,12 @@ from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock
 from fastai.data.transforms import IndexSplitter, RandomSplitter
 from fastai.vision.data import ImageBlock
 from .core import *
+from .sources import unguarded_script
 from .data import *
 
 # %% auto #0
-__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'TarSample', 'read_sample', 'ShardIndex', 'shard_paths', 'shard_indexes', 'shard_samples',
-           'ShardLabel', 'write_shards']
+__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'PARALLEL_MIN', 'TarSample', 'read_sample', 'ShardIndex', 'shard_paths', 'shard_indexes',
+           'shard_samples', 'ShardLabel', 'write_shards']
 
 # %% ../nbs/04d_shards.ipynb #c005
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'tif', 'tiff', 'gif')
@@ -268,8 +270,28 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
     return cls.from_dblock(dblock, tr + va, path=path, on_error=on_error, seed=seed, **kwargs)  # (`seed`: the loaders' orders too)
 
 # %% ../nbs/04d_shards.ipynb #c022
-def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True):
-    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`, `.cls` labels indexing `out/vocab.json`; returns the shards' paths by split"
+def _write_shard(job):
+    "Write shard `path` of the samples `rows` (key, file, class index), through a temporary name (a stopped run leaves no half shard); `job` = (path, rows): a worker process's task"
+    path,rows = job
+    path = Path(path); tmp = path.with_name(path.name + f'.{os.getpid()}.tmp')
+    with tarfile.open(tmp, 'w', format=tarfile.PAX_FORMAT) as tf:
+        for key,f,y in rows:
+            for name,data in ((f'{key}{Path(f).suffix.lower()}', Path(f).read_bytes()), (f'{key}.cls', str(y).encode())):
+                ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
+                tf.addfile(ti, io.BytesIO(data))
+    os.replace(tmp, path)
+    return path
+
+PARALLEL_MIN = 20_000  # files from which `write_shards` writes shards in worker processes (below it their start costs more)
+
+def _shard_procs(procs, n_files, n_shards):
+    "How many processes write the shards: `procs` if given, else the machine's cores for a large folder; 1 where this runs at a script's top level without a main guard (spawned workers would run the script again)"
+    if unguarded_script() is not None: return 1
+    if procs is None: procs = default_num_threads() if n_files >= PARALLEL_MIN else 1
+    return max(1, min(procs, n_shards))
+
+def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True, procs:int=None):
+    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`, `.cls` labels indexing `out/vocab.json`, in `procs` processes (None: the cores, from `PARALLEL_MIN` files); returns the shards' paths by split"
     from fastai.data.transforms import get_image_files
     from fastprogress.fastprogress import progress_bar
     if per_shard < 1: raise ValueError(f"per_shard={per_shard}: must be >= 1")
@@ -282,18 +304,16 @@ def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', 
         raise ValueError(f"{folder/valid}: classes {missing} are not in {folder/train}; fastai's vocab comes from the training set")
     out.mkdir(parents=True, exist_ok=True)
     (out/'vocab.json').write_text(json.dumps(vocab))
-    res,todo = {},[(s, i, f) for s in (train, valid) for i,f in enumerate(files[s])]
-    tf = None
-    if progress: todo = progress_bar(todo); todo.comment = 'writing shards'
-    for s,i,f in todo:
-        if i % per_shard == 0:
-            if tf is not None: tf.close()
-            p = out/s/f'{i//per_shard:05d}.tar'; p.parent.mkdir(parents=True, exist_ok=True)
-            tf = tarfile.open(p, 'w', format=tarfile.PAX_FORMAT); res.setdefault(s, []).append(p)
-        key = f'{i:08d}'
-        for name,data in ((f'{key}{f.suffix.lower()}', f.read_bytes()), (f'{key}.cls', str(o2i[f.parent.name]).encode())):
-            ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
-            tf.addfile(ti, io.BytesIO(data))
-    if tf is not None: tf.close()
+    # each shard's samples: keys numbered within the split, in fastai's order (the same shards whatever the processes)
+    splits,jobs = zip(*[(s, (out/s/f'{j//per_shard:05d}.tar', [(f'{i:08d}', str(f), o2i[f.parent.name]) for i,f in enumerate(fs[j:j+per_shard], j)]))
+                        for s,fs in files.items() for j in range(0, len(fs), per_shard)]) or ((), ())
+    for s in files: (out/s).mkdir(parents=True, exist_ok=True)
+    n = _shard_procs(procs, sum(map(len, files.values())), len(jobs))
+    with (ProcessPoolExecutor(n, mp_context=multiprocessing.get_context('spawn')) if n > 1 else contextlib.nullcontext()) as ex:
+        done = ex.map(_write_shard, jobs) if n > 1 else map(_write_shard, jobs)
+        if progress: done = progress_bar(done, total=len(jobs)); done.comment = 'writing shards'
+        paths = list(done)
     if progress: print()  # (the bar's line ends)
+    res = {}
+    for s,p in zip(splits, paths): res.setdefault(s, []).append(p)
     return res
