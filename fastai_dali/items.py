@@ -23,7 +23,7 @@ from .formats import *
 from .errors import *
 
 # %% auto #0
-__all__ = ['dali_files', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
+__all__ = ['dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
            'target_types', 'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
@@ -89,10 +89,16 @@ def dali_files(files, mode='RGB', num_threads=None):
     return res
 
 # %% ../nbs/03c_items.ipynb #c008
+def packed(items):
+    "`items` packed by their class (`pack`, e.g. a shard's samples as columns of numbers: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
+    pack = getattr(type(items[0]), 'pack', None) if len(items) else None
+    return pack(items) if pack is not None and all(type(o) is type(items[0]) for o in items) else items
+
 class PythonSource:
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
     def __init__(self, items, tfms, mode='RGB'):
-        store_attr()
+        store_attr(store_args=False)  # (not fastcore's `__stored_args__`: the items would go to DALI's workers twice)
+        self.items = packed(items)
         from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
         self.load_truncated = ImageFile.LOAD_TRUNCATED_IMAGES
     def __len__(self): return len(self.items)

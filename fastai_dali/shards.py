@@ -6,6 +6,7 @@
 from __future__ import annotations
 import io, json, os, tarfile, warnings, mmap, contextlib
 import multiprocessing
+import numpy as np
 from concurrent.futures import ThreadPoolExecutor, ProcessPoolExecutor
 from dataclasses import dataclass
 from glob import glob, escape as glob_escape
@@ -21,8 +22,8 @@ from .sources import unguarded_script
 from .data import *
 
 # %% auto #0
-__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'PARALLEL_MIN', 'TarSample', 'read_sample', 'ShardIndex', 'shard_paths', 'shard_indexes',
-           'shard_samples', 'ShardLabel', 'write_shards']
+__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'PARALLEL_MIN', 'TarSample', 'TarSamples', 'read_sample', 'ShardIndex', 'shard_paths',
+           'shard_indexes', 'shard_samples', 'ShardLabel', 'write_shards']
 
 # %% ../nbs/04d_shards.ipynb #c005
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'tif', 'tiff', 'gif')
@@ -40,6 +41,24 @@ class TarSample:
     def __repr__(self): return f'{self.tar}:{self.key}.{self.ext}'
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
+    @classmethod
+    def pack(cls, samples): return TarSamples(samples)
+
+class TarSamples:
+    "`TarSample`s as columns, as DALI's worker processes each receive them (`PythonSource`): the shards' paths once, and per sample its shard's number, offset, size, key and extension (~30 bytes, not a few hundred)"
+    def __init__(self, samples):
+        tars,exts = {},{}
+        self.tar = np.array([tars.setdefault(s.tar, len(tars)) for s in samples], np.int32)
+        self.ext = np.array([exts.setdefault(s.ext, len(exts)) for s in samples], np.int16)
+        self.offset,self.size = np.array([s.offset for s in samples], np.int64),np.array([s.size for s in samples], np.int64)
+        self.keys = '\n'.join(s.key for s in samples)   # (a key holds no white space: see `ShardIndex.scan`)
+        self.starts = np.concatenate([[0], np.cumsum([len(s.key) + 1 for s in samples])]).astype(np.int64)
+        self.tars,self.exts = list(tars),list(exts)
+    def __len__(self): return len(self.offset)
+    def __getitem__(self, i):
+        i = int(i)
+        return TarSample(self.tars[self.tar[i]], self.keys[self.starts[i]:self.starts[i+1]-1], self.exts[self.ext[i]],
+                         int(self.offset[i]), int(self.size[i]))
 
 _fds = {}      # (process, shard) -> an open descriptor, the last `_MAX_FDS` used
 _MAX_FDS = 256  # (a data set of thousands of shards must not run into the process's limit on open files)
@@ -218,7 +237,7 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise')
 # %% ../nbs/04d_shards.ipynb #c016
 class ShardLabel:
     "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed), through `get_y`, or named by `names` (a `.cls` index)"
-    def __init__(self, texts:dict, label='cls', get_y=None, names=None): store_attr()
+    def __init__(self, texts:dict, label='cls', get_y=None, names=None): store_attr(store_args=False)
     def __call__(self, s):
         t = self.texts.get(s, {}).get(self.label)
         if t is None: raise ValueError(f"{s.tar}: sample {s.key!r} has no .{self.label} member to label it with")
