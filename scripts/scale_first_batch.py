@@ -2,7 +2,11 @@
 `DaliDataLoaders.from_folder` on an ImageNet-shaped folder of many small JPEGs, each loader in a fresh process.
 
     python scripts/scale_first_batch.py [--n 200000] [--classes 1000] [--root /tmp/scale_200000] [--device cpu]
-        [--workers N] [--bs 256] [--repeats 1]
+        [--workers N] [--bs 256] [--repeats 1] [--trace DIR]
+
+`--trace DIR`: each loader's process also writes `DIR/<loader>_profile.txt` (cProfile of the build and the first batch,
+by cumulative then own time: its times are the profiler's, slower) and `DIR/<loader>_rss.txt` (the process's RSS every
+5 ms, the highest at each line its main thread was on, in the order reached: where the memory comes from).
 
 The folder (`train/` and `valid/`, one folder a class, 64 x 48 px JPEGs made with PIL from crops of scikit-image's
 astronaut, ~1 validation image for 26 training ones) is written once, in parallel, and reused. Each row runs
@@ -41,18 +45,44 @@ def make_scale_folder(root, n=200_000, classes=1000, procs=None):
     return root
 
 
-def one(kind, root, device, workers, bs):
-    "Build `kind`'s loaders on `root`, take the first training batch; print one JSON line"
-    import resource
+class _RssByLine:
+    "The process's RSS every 5 ms in a thread, with the line the main thread is on: the highest RSS at each line, in order"
+    def __init__(self):
+        import threading
+        self.main,self.rows,self.stop = threading.main_thread().ident,{},False
+        threading.Thread(target=self._watch, daemon=True).start()
+    def _watch(self):
+        import traceback
+        while not self.stop:
+            with open('/proc/self/statm') as f: mb = int(f.read().split()[1])*os.sysconf('SC_PAGE_SIZE')/2**20
+            fr = sys._current_frames().get(self.main)
+            if fr is not None:
+                st = traceback.extract_stack(fr)[-3:]
+                k = ' < '.join(f'{os.path.basename(f.filename)}:{f.lineno} {f.name}' for f in st[::-1])
+                self.rows[k] = max(self.rows.get(k, 0), mb)
+            time.sleep(0.005)
+    def write(self, fn):
+        self.stop = True
+        with open(fn, 'w') as f: f.writelines(f'{mb:8.0f} MB  {k}\n' for k,mb in self.rows.items())
+
+
+def one(kind, root, device, workers, bs, trace=None):
+    "Build `kind`'s loaders on `root`, take the first training batch; print one JSON line (`trace`: a folder for the profile and RSS trace)"
+    import resource, cProfile, pstats
     from fastai.vision.all import ImageDataLoaders, Resize, Normalize, imagenet_stats
     from fastai_dali.data import DaliDataLoaders
     kw = dict(valid='valid', item_tfms=Resize(32), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs)
+    if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
     t0 = time.perf_counter()
     if kind == 'ImageDataLoaders': dls = ImageDataLoaders.from_folder(root, num_workers=workers, device=device, **kw)
     else: dls = DaliDataLoaders.from_folder(root, device=device, **kw)
     t1 = time.perf_counter()
     x, y = next(iter(dls.train))
     t2 = time.perf_counter()
+    if trace:
+        prof.disable(); os.makedirs(trace, exist_ok=True); rss.write(os.path.join(trace, f'{kind}_rss.txt'))
+        with open(os.path.join(trace, f'{kind}_profile.txt'), 'w') as f:
+            st = pstats.Stats(prof, stream=f); st.sort_stats('cumtime').print_stats(60); st.sort_stats('tottime').print_stats(30)
     mb = lambda who: resource.getrusage(who).ru_maxrss/1024
     print(json.dumps(dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
                           children_mb=mb(resource.RUSAGE_CHILDREN), items=[len(dls.train_ds), len(dls.valid_ds)],
@@ -65,15 +95,17 @@ def main():
     p.add_argument('--n', type=int, default=200_000); p.add_argument('--classes', type=int, default=1000)
     p.add_argument('--root'); p.add_argument('--device', default='cpu'); p.add_argument('--workers', type=int, default=os.cpu_count())
     p.add_argument('--bs', type=int, default=256); p.add_argument('--repeats', type=int, default=1); p.add_argument('--one')
+    p.add_argument('--trace', help='a folder for each loader\'s profile and RSS trace (the times are then the profiler\'s)')
     a = p.parse_args()
     root = a.root or f'/tmp/scale_{a.n}'
-    if a.one: return one(a.one, root, a.device, a.workers, a.bs)
+    if a.one: return one(a.one, root, a.device, a.workers, a.bs, a.trace)
     t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')
     rows = []
     for r in range(a.repeats):
         for kind in ('ImageDataLoaders', 'DaliDataLoaders'):
             out = subprocess.run([sys.executable, __file__, '--one', kind, '--root', root, '--device', a.device,
-                                  '--workers', str(a.workers), '--bs', str(a.bs)], capture_output=True, text=True)
+                                  '--workers', str(a.workers), '--bs', str(a.bs)] + (['--trace', a.trace] if a.trace else []),
+                                 capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)
             if line is None: sys.exit(f'{kind} failed:\n{out.stderr[-3000:]}')
             rows.append(json.loads(line)); print(line)
