@@ -256,3 +256,25 @@ def test_skip_unreadable_in_shards(tmp_path):
     with pytest.warns(UserWarning, match=r"(?s)left out 1 of 4 images.*train/00000.tar:b.jpg"):
         dls = DaliDataLoaders.from_shards(tr, valid=va, on_error='skip', bs=1, **KW)
     assert [s.key for s in dls.train_ds.items] == ['a', 'c'] and [s.key for s in dls.valid_ds.items] == ['v']
+
+@pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU run's, CI runs this")
+def test_top_level_script_writes_and_reads_shards(tmp_path):
+    "A plain script without `if __name__ == '__main__':` writes shards (asking for worker processes) and reads them with DALI's worker processes asked for too: both run in its own process, with no error, and say so once"
+    import subprocess, sys, textwrap
+    script = tmp_path/'shards.py'
+    script.write_text(textwrap.dedent(f'''
+        from pathlib import Path
+        from fastai.vision.all import *
+        from fastai_dali.all import *
+        from fastai_dali.demo import make_image_folder
+        path = make_image_folder(Path({str(tmp_path)!r})/'p', n_train=6, n_valid=2, classes=('coffee', 'rocket'))
+        res = write_shards(path, Path({str(tmp_path)!r})/'s', per_shard=2, progress=False, procs=2)
+        dls = DaliDataLoaders.from_shards(res['train'], valid=res['valid'], item_tfms=Resize(16), bs=2, device='cpu', py_workers=2)
+        x,y = dls.one_batch()
+        import multiprocessing
+        print('shards', len(res['train']), len(res['valid']), 'batch', tuple(x.shape), 'workers', len(multiprocessing.active_children()))
+        '''))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == 'shards 6 2 batch (2, 3, 16, 16) workers 0', r.stdout
+    assert r.stderr.count("outside `if __name__ == '__main__':`") == 1, r.stderr[-3000:]
