@@ -90,9 +90,9 @@ def dali_files(files, mode='RGB', num_threads=None):
 
 # %% ../nbs/03c_items.ipynb #c008
 def packed(items):
-    "`items` packed by their class (`pack`, e.g. a shard's samples as columns of numbers: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
-    pack = getattr(type(items[0]), 'pack', None) if len(items) else None
-    return pack(items) if pack is not None and all(type(o) is type(items[0]) for o in items) else items
+    "`items` packed by their class (its `dali_pack`, e.g. a shard's samples as columns of numbers: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
+    pack = getattr(type(items[0]), 'dali_pack', None) if len(items) else None
+    return pack(items) if callable(pack) and all(type(o) is type(items[0]) for o in items) else items
 
 class PythonSource:
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"

@@ -42,7 +42,7 @@ class TarSample:
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
     @classmethod
-    def pack(cls, samples): return TarSamples(samples)
+    def dali_pack(cls, samples): return TarSamples(samples)
 
 class TarSamples:
     "`TarSample`s as columns, as DALI's worker processes each receive them (`PythonSource`): the shards' paths once, and per sample its shard's number, offset, size, key and extension (~30 bytes, not a few hundred)"
