@@ -324,8 +324,9 @@ def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', 
     out.mkdir(parents=True, exist_ok=True)
     (out/'vocab.json').write_text(json.dumps(vocab))
     # each shard's samples: keys numbered within the split, in fastai's order (the same shards whatever the processes)
-    splits,jobs = zip(*[(s, (out/s/f'{j//per_shard:05d}.tar', [(f'{i:08d}', str(f), o2i[f.parent.name]) for i,f in enumerate(fs[j:j+per_shard], j)]))
-                        for s,fs in files.items() for j in range(0, len(fs), per_shard)]) or ((), ())
+    splits = [s for s,fs in files.items() for _ in range(0, len(fs), per_shard)]
+    jobs = [(out/s/f'{j//per_shard:05d}.tar', [(f'{i:08d}', str(f), o2i[f.parent.name]) for i,f in enumerate(fs[j:j+per_shard], j)])
+            for s,fs in files.items() for j in range(0, len(fs), per_shard)]
     for s in files: (out/s).mkdir(parents=True, exist_ok=True)
     n = _shard_procs(procs, sum(map(len, files.values())), len(jobs))
     with (ProcessPoolExecutor(n, mp_context=multiprocessing.get_context('spawn')) if n > 1 else contextlib.nullcontext()) as ex:
