@@ -10,6 +10,7 @@ import numpy as np
 from fastcore.basics import *
 from fastcore.foundation import L
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+from nvidia.dali.tensors import TensorCPU, TensorListCPU
 from .core import *
 from .transforms import *
 from .pipeline import *
@@ -20,7 +21,7 @@ from .sources import *
 
 # %% auto #0
 __all__ = ['BuildSpec', 'BuildSeeds', 'augment_seed', 'shard_len', 'n_batches', 'shard_positions', 'shard_padded', 'ShardShare',
-           'epoch_items', 'BuiltPipeline', 'PipelineCache', 'Feed']
+           'epoch_items', 'BuiltPipeline', 'PipelineCache', 'HostTensor', 'HostList', 'DaliIterator', 'Feed']
 
 # %% ../nbs/03e_feed.ipynb #c005
 @dataclass(frozen=True)
@@ -185,11 +186,32 @@ class PipelineCache:
     def __len__(self): return len(self.kept)
     def __iter__(self): return iter(list(self.kept.values()))
 
+# %% ../nbs/03e_feed.ipynb #6b25105a
+class HostTensor:
+    "DALI CPU tensor `t` as torch reads host memory (a copy: the few small CPU outputs of a GPU pipeline)"
+    def __init__(self, t): self.dtype,self.a = t.dtype,np.array(t)
+    def shape(self): return list(self.a.shape)
+    def __dlpack_device__(self): return self.a.__dlpack_device__()
+    def __dlpack__(self, **kw): return self.a.__dlpack__(**kw)
+
+class HostList:
+    "DALI CPU tensor list `tl` whose tensor torch reads: DALI's own where torch accepts its DLPack device, else a `HostTensor`"
+    def __init__(self, tl): self.tl = tl
+    def as_tensor(self):
+        t = self.tl.as_tensor()
+        return t if int(t.__dlpack_device__()[0]) == 1 else HostTensor(t)   # 1: kDLCPU
+
+class DaliIterator(DALIGenericIterator):
+    "DALI's iterator, whose CPU outputs torch can read on DALI's default (dynamic) executor"
+    def _get_outputs(self):
+        return [tuple(HostList(o) if isinstance(o, TensorListCPU) else o for o in outs) for outs in super()._get_outputs()]
+
+
 # %% ../nbs/03e_feed.ipynb #c028
 def _iterator(pipe, outputs, source, files, names, py_workers):
     "DALI's iterator over `pipe` (which runs its first batch: errors translated)"
     it_kw = dict(reader_name='Reader', last_batch_policy=LastBatchPolicy.PARTIAL) if source is None else {}
-    try: return DALIGenericIterator(pipe, list(outputs), auto_reset=False, **it_kw)
+    try: return DaliIterator(pipe, list(outputs), auto_reset=False, **it_kw)
     except RuntimeError as e:
         if 'Workers initialization failed' in str(e): raise DaliPythonError(_workers_failed_msg(py_workers)) from e
         if 'Critical error' not in str(e): raise  # not DALI's: the user's own error, traceback kept
@@ -279,17 +301,13 @@ class Feed:
         names = [inp.names[i] for i in idxs] if files else []  # the user's files, for error messages
         self.check_jpeg_ends(spec.num_threads)
         mfiles = None if inp.masks is None else [inp.masks[i] for i in idxs]
-        # Points' maps are made of CPU outputs (`DaliGraph.point_outputs`): DALI's default executor hands a CPU output of a
-        # GPU pipeline to torch as pinned memory through DLPack, which torch 2.11 refuses ("Unsupported device_type: 3");
-        # the classic executor copies each output into a torch tensor of its own (one copy, on the GPU too, at no cost seen)
-        xkw = dict(exec_dynamic=False) if plan.points else {}
         # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built
         lists = [None if fs is None or source is not None else FileList(fs, labels) for fs in (files, mfiles)]
         pipe = fastai_pipeline(lists[0] or files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
-                               hw_decoder_load=spec.hw_decoder_load, mask_files=lists[1], names=outputs, **xkw, **kw)
+                               hw_decoder_load=spec.hw_decoder_load, mask_files=lists[1], names=outputs, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         except DaliReadError:
