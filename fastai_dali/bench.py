@@ -133,9 +133,10 @@ def _labelled_bar(items, comments, end=''):
 # %% ../nbs/07_bench.ipynb #c012
 def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True, label='timing loaders'):
     "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first); the bar says `label`"
-    # in rounds, every loader once per round: a drift of the machine's speed during the run reaches every loader alike
-    res,names = {},list(loaders)
-    passes,order = {k: [] for k in names},[k for _ in range(repeats) for k in names]
+    # in rounds, every loader once per round: a drift of the machine's speed during the run reaches every loader alike;
+    # each round starts one loader further on (a loader timed right after another one's pipeline ran is not always the same one)
+    res,names,n = {},list(loaders),len(loaders)
+    passes,order = {k: [] for k in names},[names[(r+i) % n] for r in range(repeats) for i in range(n)]
     said = [f'{label} {i//len(names)+1}/{repeats}: {k}' for i,k in enumerate(order)]  # the round, the loader
     for name in (_labelled_bar(order, said, f'{label}: done') if show_progress else order):
         passes[name].append(time_loader(loaders[name](), max_batches=max_batches, warmup=warmup))

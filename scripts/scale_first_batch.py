@@ -2,7 +2,11 @@
 `DaliDataLoaders.from_folder` on an ImageNet-shaped folder of many small JPEGs, each loader in a fresh process.
 
     python scripts/scale_first_batch.py [--n 200000] [--classes 1000] [--root /tmp/scale_200000] [--device cpu]
-        [--workers N] [--bs 256] [--repeats 1] [--trace DIR]
+        [--workers N] [--bs 256] [--repeats 1] [--trace DIR] [--shards N]
+
+`--shards N`: also write the folder as WebDataset shards of N samples (`write_shards`, timed, in the machine's processes,
+into ROOT_shards, index files removed) and add the rows `DaliDataLoaders.from_shards`, cold (it writes each shard's index
+beside it) then warm (the next open, in a new process, reads them).
 
 `--trace DIR`: each loader's process also writes `DIR/<loader>_profile.txt` (cProfile of the build and the first batch,
 by cumulative then own time: its times are the profiler's, slower) and `DIR/<loader>_rss.txt` (the process's RSS every
@@ -71,22 +75,28 @@ def one(kind, root, device, workers, bs, trace=None):
     import resource, cProfile, pstats
     from fastai.vision.all import ImageDataLoaders, Resize, Normalize, imagenet_stats
     from fastai_dali.data import DaliDataLoaders
+    import fastai_dali.shards  # (DaliDataLoaders.from_shards)
     kw = dict(valid='valid', item_tfms=Resize(32), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs)
     if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
     t0 = time.perf_counter()
     if kind == 'ImageDataLoaders': dls = ImageDataLoaders.from_folder(root, num_workers=workers, device=device, **kw)
+    elif kind.startswith('from_shards'):
+        sh = Path(f'{root}_shards')
+        dls = DaliDataLoaders.from_shards(sh/'train', sh/'valid', device=device, **{k:v for k,v in kw.items() if k != 'valid'})
     else: dls = DaliDataLoaders.from_folder(root, device=device, **kw)
     t1 = time.perf_counter()
     x, y = next(iter(dls.train))
     t2 = time.perf_counter()
     if trace:
-        prof.disable(); os.makedirs(trace, exist_ok=True); rss.write(os.path.join(trace, f'{kind}_rss.txt'))
-        with open(os.path.join(trace, f'{kind}_profile.txt'), 'w') as f:
+        prof.disable(); os.makedirs(trace, exist_ok=True); rss.write(os.path.join(trace, f"{kind.replace(' ', '_')}_rss.txt"))
+        with open(os.path.join(trace, f"{kind.replace(' ', '_')}_profile.txt"), 'w') as f:
             st = pstats.Stats(prof, stream=f); st.sort_stats('cumtime').print_stats(60); st.sort_stats('tottime').print_stats(30)
     mb = lambda who: resource.getrusage(who).ru_maxrss/1024
     print(json.dumps(dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
                           children_mb=mb(resource.RUSAGE_CHILDREN), items=[len(dls.train_ds), len(dls.valid_ds)],
                           vocab=len(dls.vocab))), flush=True)
+    import multiprocessing
+    for c in multiprocessing.active_children(): c.kill()  # DALI's Python workers (from_shards): os._exit leaves them running
     os._exit(0)  # (the loaders' teardown is not timed)
 
 
@@ -96,13 +106,23 @@ def main():
     p.add_argument('--root'); p.add_argument('--device', default='cpu'); p.add_argument('--workers', type=int, default=os.cpu_count())
     p.add_argument('--bs', type=int, default=256); p.add_argument('--repeats', type=int, default=1); p.add_argument('--one')
     p.add_argument('--trace', help='a folder for each loader\'s profile and RSS trace (the times are then the profiler\'s)')
+    p.add_argument('--shards', type=int, help='samples a shard: add the from_shards rows (shards written once, timed)')
     a = p.parse_args()
     root = a.root or f'/tmp/scale_{a.n}'
     if a.one: return one(a.one, root, a.device, a.workers, a.bs, a.trace)
     t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')
+    kinds = ['ImageDataLoaders', 'DaliDataLoaders']
+    if a.shards:
+        from fastai_dali.shards import write_shards
+        sh = Path(f'{root}_shards')
+        if not (sh/'done').exists():
+            t = time.perf_counter(); write_shards(root, sh, per_shard=a.shards, progress=False)
+            print(f'write_shards {sh} ({a.shards} a shard, {os.cpu_count()} processes): {time.perf_counter()-t:.1f} s'); (sh/'done').touch()
+        for f in sh.glob('*/*.idx*'): f.unlink()  # (the first from_shards row indexes them)
+        kinds += ['from_shards (indexing)', 'from_shards (indexed)']
     rows = []
     for r in range(a.repeats):
-        for kind in ('ImageDataLoaders', 'DaliDataLoaders'):
+        for kind in kinds:
             out = subprocess.run([sys.executable, __file__, '--one', kind, '--root', root, '--device', a.device,
                                   '--workers', str(a.workers), '--bs', str(a.bs)] + (['--trace', a.trace] if a.trace else []),
                                  capture_output=True, text=True)
@@ -112,7 +132,7 @@ def main():
     base = [o for o in rows if o['kind'] == 'ImageDataLoaders']
     print(f"\n| loader | build s | first batch s | to first batch s | peak MB | ratio (time, memory) |\n|---|---:|---:|---:|---:|---:|")
     for o in rows:
-        b = base[rows.index(o)//2]
+        b = base[rows.index(o)//len(kinds)]
         print(f"| {o['kind']} | {o['build']:.1f} | {o['first_batch']:.1f} | {o['total']:.1f} | {o['peak_mb']:,.0f} | "
               f"{o['total']/b['total']:.2f}, {o['peak_mb']/b['peak_mb']:.2f} |")
 
