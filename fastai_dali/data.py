@@ -23,7 +23,7 @@ from .loader import *
 from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
 
 # %% auto #0
-__all__ = ['check_image_folder', 'DaliDataLoaders', 'grandparent_splits', 'GivenSplits', 'ZipMember']
+__all__ = ['check_image_folder', 'DaliDataLoaders', 'image_files', 'grandparent_splits', 'GivenSplits', 'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
 def _has_image(p):
@@ -109,6 +109,26 @@ class DaliDataLoaders(DataLoaders):
         return res
 
 # %% ../nbs/04_data.ipynb #c013
+def _named_path(s):
+    "`Path(s)` of a normalized path `s`, whose string is `s` itself (Python parses a `Path`, and keeps the parts, when it is first made a string: ~500 bytes an item)"
+    o = Path(s)
+    try: o._str = s   # (pathlib's cache of `str(o)`: what it would compute for a normalized `s`)
+    except AttributeError: pass
+    return o
+
+def image_files(path, folders=None):
+    "fastai's `get_image_files(path, folders=folders)`: the same `Path`s in the same order, each holding its string already (see `_named_path`)"
+    top,exts,res = os.fspath(Path(path)),{e.lower() for e in image_extensions},[]
+    folders = L(folders)
+    for i,(p,d,fs) in enumerate(os.walk(top, followlinks=True)):   # (fastai's `get_files`, with strings)
+        if len(folders) != 0 and i == 0: d[:] = [o for o in d if o in folders]
+        else: d[:] = [o for o in d if not o.startswith('.')]
+        if len(folders) != 0 and i == 0 and '.' not in folders: continue
+        pre = '' if p == '.' else p + os.sep   # (Path('./a') is 'a')
+        if pre.startswith('.' + os.sep): pre = pre[2:]
+        res += [_named_path(pre + f) for f in fs if not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in exts]
+    return L(res)
+
 def grandparent_splits(items, train='train', valid='valid'):
     "fastai's `GrandparentSplitter(train, valid)(items)` of `Path`s, as string operations on them"
     gp = [p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '' for o in items]
@@ -125,7 +145,7 @@ def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_p
                 item_tfms=None, batch_tfms=None, img_cls=PILImage, **kwargs):
     "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`)"
     check_image_folder(path, None if valid_pct else [train, valid])
-    items = get_image_files(path) if valid_pct else get_image_files(path, folders=[train, valid])
+    items = image_files(path, None if valid_pct else [train, valid])
     splits = RandomSplitter(valid_pct, seed=seed)(items) if valid_pct else grandparent_splits(items, train, valid)
     if vocab is None and kwargs.get('on_error', 'raise') == 'raise': vocab = sorted({parent_name(items[i]) for i in splits[0]})
     dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=lambda _: items,
