@@ -257,6 +257,11 @@ def _vocab_file(tars):
     for p in (Path(tars[0]).parent, Path(tars[0]).parent.parent):
         if (p/'vocab.json').exists(): return json.loads((p/'vocab.json').read_text())
 
+def _train_vocab(items, train, get_y, multi_label):
+    "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
+    ys = [get_y(items[i]) for i in train]
+    return sorted(set().union(*ys) if multi_label else set(ys))
+
 def _check_labels(items, get_y, vocab, multi_label):
     "Raise naming the first sample whose label is not in the given `vocab` (fastai's own error names no item)"
     known = set(vocab)
@@ -281,12 +286,14 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
     names = _vocab_file(shard_paths(train)) if label == 'cls' and get_y is None else None
     gy = ShardLabel(texts, label, get_y, names)
     if multi_label is None: multi_label = len(tr) > 0 and isinstance(gy(tr[0]), (list, tuple))
-    if vocab is not None: _check_labels(tr + va, gy, vocab, multi_label)
+    items = tr + va
+    splits = (IndexSplitter(range(len(tr), len(items))) if valid is not None else RandomSplitter(valid_pct, seed=seed))(items)
+    if vocab is not None: _check_labels(items, gy, vocab, multi_label)
+    elif on_error == 'raise': vocab = _train_vocab(items, splits[0], gy, multi_label)  # (skipping: fastai's, of the images kept)
     blk = MultiCategoryBlock(vocab=vocab) if multi_label else CategoryBlock(vocab=vocab)
-    splitter = IndexSplitter(range(len(tr), len(tr)+len(va))) if valid is not None else RandomSplitter(valid_pct, seed=seed)
-    dblock = DataBlock(blocks=(ImageBlock, blk), get_x=read_sample, get_y=gy, splitter=splitter,
+    dblock = DataBlock(blocks=(ImageBlock, blk), get_x=read_sample, get_y=gy, splitter=GivenSplits(splits),
                        item_tfms=item_tfms, batch_tfms=batch_tfms)
-    return cls.from_dblock(dblock, tr + va, path=path, on_error=on_error, seed=seed, **kwargs)  # (`seed`: the loaders' orders too)
+    return cls.from_dblock(dblock, items, path=path, on_error=on_error, seed=seed, **kwargs)  # (`seed`: the loaders' orders too)
 
 # %% ../nbs/04d_shards.ipynb #c022
 def _write_shard(job):
