@@ -1,8 +1,8 @@
 """Where points and boxes cost a loader its time, on a GPU, for the `targets` bench's `DataBlock`s
 (`fastai_dali.bench.target_blocks`): DALI's side alone (the pipeline's batches, `Feed.epoch`) against the whole loader
 (fastai's batches, the targets moved on the device), in rounds (every row once a round, one epoch each after a warm-up
-one); labels only also on DALI's classic executor, which a pipeline with points' maps runs on (see `Feed.build`), to
-tell the executor's share from the points' own; then the host's time in one epoch of points and of boxes (cProfile).
+one); labels only also on DALI's classic executor (which the pipelines with points' maps ran on before `DaliIterator`),
+to tell the executor's share from the points' own; then the host's time in one epoch of points and of boxes (cProfile).
 
     python scripts/targets_dali_side.py FOLDER [ROUNDS]   # FOLDER: train/ and valid/ class folders of JPEGs (the bench's data_N)
 """
