@@ -131,8 +131,9 @@ def image_files(path, folders=None):
 
 def grandparent_splits(items, train='train', valid='valid'):
     "fastai's `GrandparentSplitter(train, valid)(items)` of `Path`s, as string operations on them"
-    gp = [p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '' for o in items]
-    return [[i for i,g in enumerate(gp) if g == n] for n in (train, valid)]
+    code = {train: 0, valid: 1}   # (each item's split as a small int: a list of a million strings is ~80 MB)
+    gp = [code.get(p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '', 2) for o in items]
+    return [[i for i,g in enumerate(gp) if g == code[n]] for n in (train, valid)]
 
 class GivenSplits:
     "A `DataBlock` splitter that gives `splits`, computed beforehand for the items it is given"

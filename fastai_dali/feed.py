@@ -277,7 +277,8 @@ class Feed:
         prev,self.built = (None if device_id is None else self.built),None
         inp = self.inputs_for(spec.ds, spec.num_threads)
         order,shuffle = spec.order,spec.shuffle and spec.order is None
-        idxs = list(order) if order is not None else list(range(len(inp))) if shuffle else list(get_idxs())
+        # (DALI's reader shuffling: every item in its own place, a `range`, not a list of a million ints)
+        idxs = list(order) if order is not None else range(len(inp)) if shuffle else list(get_idxs())
         plan,log,outputs = spec.plan(points=inp.points),L(),[]
         seeds = BuildSeeds.of(spec, self.pipes.builds_for(spec), self.n_done)
         if inp.masks is not None and (inp.kind == 'python' or plan.fallbacks):
@@ -297,8 +298,9 @@ class Feed:
         else:
             # shuffled on several shards: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
             if num_shards > 1: idxs = shard_padded(idxs, num_shards, seeds.reader)
-            files,labels,source = [inp.files[i] for i in idxs],idxs,None
-        names = [inp.names[i] for i in idxs] if files else []  # the user's files, for error messages
+            same = isinstance(idxs, range) and len(idxs) == len(inp)   # (every item in its place: the inputs' own lists)
+            files,labels,source = (inp.files if same else [inp.files[i] for i in idxs]),idxs,None
+        names = [] if not files else inp.names if files is inp.files else [inp.names[i] for i in idxs]  # the user's files, for error messages
         self.check_jpeg_ends(spec.num_threads)
         mfiles = None if inp.masks is None else [inp.masks[i] for i in idxs]
         # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built

@@ -165,7 +165,7 @@ def parent_name(o):
     return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
 
 def _labels(items, fns):
-    "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), or None where that needs fastai's own pipeline"
+    "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), as an iterable, or None where that needs fastai's own pipeline"
     if hasattr(items, 'iloc'):  # a data frame: a `ColReader` of one column reads the column
         f = fns[0] if len(fns) == 1 else None
         if not (isinstance(f, ColReader) and len(f.cols) == 1 and f.label_delim is None): return None
@@ -173,9 +173,9 @@ def _labels(items, fns):
         col = (items.iloc[:, c] if isinstance(c, int) else items[c]).tolist()
         return col if not (f.pref or f.suff) else [f'{f.pref}{o}{f.suff}' for o in col]
     if any(isinstance(o, tuple) for o in items[:1]): return None  # (fastai maps a transform over a tuple's parts)
-    ys = list(items)
-    for f in fns:
-        ys = list(map(parent_name, ys)) if f is parent_label and all(isinstance(o, Path) for o in ys) else [f(o) for o in ys]
+    ys = items
+    for j,f in enumerate(fns):   # (lazily: a million labels as one list of strings is ~80 MB more at the peak)
+        ys = map(parent_name if j == 0 and f is parent_label and all(isinstance(o, Path) for o in items) else f, ys)
     return ys
 
 def _codes(tl, files):
@@ -187,8 +187,9 @@ def _codes(tl, files):
     ys = _labels(tl.items, fns)
     if ys is None: return None
     o2i = fs[-1].vocab.o2i
-    try: return np.fromiter(map(o2i.__getitem__, ys), np.int64, len(ys))
+    try: return np.fromiter(map(o2i.__getitem__, ys), np.int64, len(tl.items))
     except KeyError:
+        ys = list(_labels(tl.items, fns))
         i = next(i for i,y in enumerate(ys) if y not in o2i)
         raise _not_in_vocab(tl, files[i], f"Label '{ys[i]}' was not included in the training dataset") from None
 
