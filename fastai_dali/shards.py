@@ -8,7 +8,7 @@ import io, json, os, tarfile, warnings, mmap, contextlib
 import multiprocessing
 import numpy as np
 from concurrent.futures import ThreadPoolExecutor, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from glob import glob, escape as glob_escape
 from pathlib import Path
 from fastcore.basics import *
@@ -30,14 +30,15 @@ IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'tif', 'tiff', 'gif')
 LABEL_EXTS = ('cls', 'txt', 'json')
 _TEXT_MAX = 1 << 16  # label members up to 64 KiB are kept in the index
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TarSample:
-    "The image of sample `key` in the tar shard `tar`: `size` bytes at `offset`"
+    "The image of sample `key` in the tar shard `tar`: `size` bytes at `offset`; `label`: the text of its label member, where `shard_samples` read one"
     tar: str
     key: str
     ext: str
     offset: int
     size: int
+    label: str|None = field(default=None, compare=False, repr=False)  # (not part of what the sample is)
     def __repr__(self): return f'{self.tar}:{self.key}.{self.ext}'
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
@@ -218,28 +219,29 @@ def shard_indexes(paths, cache_dir=None, num_threads:int=None):
 def _image_ext(members):
     return next((e for e in IMAGE_EXTS if e in members), None)
 
-def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise'):
-    "Every sample of the shards at `paths` as a `TarSample` (its image), in shard order, with the texts of their label members (`texts`)"
+def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls'):
+    "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
-    res,texts,skipped = [],{},[]
+    res,skipped = [],[]
     for ix in shard_indexes(paths, cache_dir, num_threads):
+        texts = ix.texts
         for key,members in ix.samples.items():
             ext = _image_ext(members)
             if ext is None:
                 if on_error == 'skip': skipped.append(f'{ix.tar}:{key}'); continue
                 raise ValueError(f"{ix.tar}: sample {key!r} has no image (members: {', '.join(sorted(members))}; "
                                  f"images are one of {', '.join(IMAGE_EXTS)})")
-            s = TarSample(ix.tar, key, ext, *members[ext])
-            res.append(s); texts[s] = ix.texts.get(key, {})
+            t = texts.get(key)
+            res.append(TarSample(ix.tar, key, ext, *members[ext], None if t is None else t.get(label)))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
-    return L(res),texts
+    return L(res)
 
 # %% ../nbs/04d_shards.ipynb #c016
 class ShardLabel:
-    "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed), through `get_y`, or named by `names` (a `.cls` index)"
-    def __init__(self, texts:dict, label='cls', get_y=None, names=None): store_attr(store_args=False)
+    "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed; its text read by `shard_samples`), through `get_y`, or named by `names` (a `.cls` index)"
+    def __init__(self, label='cls', get_y=None, names=None): store_attr(store_args=False)
     def __call__(self, s):
-        t = self.texts.get(s, {}).get(self.label)
+        t = s.label
         if t is None: raise ValueError(f"{s.tar}: sample {s.key!r} has no .{self.label} member to label it with")
         try: v = int(t.strip()) if self.label == 'cls' else json.loads(t) if self.label == 'json' else t.strip()
         except ValueError: raise ValueError(f"{s.tar}: sample {s.key!r}: its .{self.label} member is not {'an integer' if self.label == 'cls' else 'JSON'}: {t[:60]!r}") from None
@@ -249,7 +251,6 @@ class ShardLabel:
                 raise ValueError(f"{s.tar}: sample {s.key!r} has class {v}, but the vocab beside the shards has {len(self.names)} names")
             return self.names[v]
         return v
-    def __getstate__(self): return {**self.__dict__, 'texts': {}}  # (an exported learner keeps no labels of the shards)
 
 # %% ../nbs/04d_shards.ipynb #c018
 def _vocab_file(tars):
@@ -280,11 +281,10 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
     if label not in LABEL_EXTS: raise ValueError(f"label={label!r}: must be one of {', '.join(LABEL_EXTS)}")
     if label == 'json' and get_y is None: raise ValueError("label='json' needs get_y, which picks the label from each sample's parsed JSON")
     if (valid is None) == (valid_pct is None): raise ValueError("give the validation shards (valid=) or a share of the training ones (valid_pct=)")
-    tr,texts = shard_samples(train, cache_dir, on_error=on_error)
-    va,vtexts = shard_samples(valid, cache_dir, on_error=on_error) if valid is not None else (L(),{})
-    texts.update(vtexts)
+    tr = shard_samples(train, cache_dir, on_error=on_error, label=label)
+    va = shard_samples(valid, cache_dir, on_error=on_error, label=label) if valid is not None else L()
     names = _vocab_file(shard_paths(train)) if label == 'cls' and get_y is None else None
-    gy = ShardLabel(texts, label, get_y, names)
+    gy = ShardLabel(label, get_y, names)
     if multi_label is None: multi_label = len(tr) > 0 and isinstance(gy(tr[0]), (list, tuple))
     items = tr + va
     splits = (IndexSplitter(range(len(tr), len(items))) if valid is not None else RandomSplitter(valid_pct, seed=seed))(items)

@@ -106,7 +106,7 @@ def test_learner_in_shard_order(id_shards):
     with learn.no_bar(): learn.fit(1)
     preds,_ = learn.get_preds()
     assert preds[:, -1].long().tolist() == list(range(500, 511))
-    tdl = dls.test_dl(shard_samples(va)[0][:7])
+    tdl = dls.test_dl(shard_samples(va)[:7])
     tp,_ = learn.get_preds(dl=tdl)
     assert tp[:, -1].long().tolist() == list(range(500, 507))
     tta,_ = learn.tta(n=2)
@@ -154,7 +154,7 @@ def test_read_only_shards_index_in_cache(tmp_path):
 def test_webdataset_package_and_tarfile_read_alike(tmp_path):
     a = write_tars(tmp_path/'a', range(9), 2, writer='tarfile')
     b = write_tars(tmp_path/'b', range(9), 2, writer='webdataset')
-    (sa,_),(sb,_) = shard_samples(a),shard_samples(b)
+    sa,sb = shard_samples(a),shard_samples(b)
     assert [s.key for s in sa] == [s.key for s in sb] and [read_sample(s) for s in sa] == [read_sample(s) for s in sb]
     dls = DaliDataLoaders.from_shards(b, valid=a, bs=4, shuffle=False, **KW)
     assert epoch_ids(dls.train)[0] == list(range(9)) == epoch_ids(dls.valid)[0]
