@@ -24,7 +24,7 @@ from .errors import *
 
 # %% auto #0
 __all__ = ['dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
-           'target_types', 'DaliInputs']
+           'target_types', 'ItemNames', 'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
 def _created_cls(f):
@@ -252,6 +252,13 @@ def target_types(ds):
     return tuple(_target_class(tl) or type(tl[0]) for tl in ds.tls[1:])
 
 # %% ../nbs/03c_items.ipynb #c015
+class ItemNames:
+    "How errors name each item of `src` (a `PythonSource`), made when one is asked for: a million names made up front take seconds and ~130 MB"
+    def __init__(self, src): self.src = src
+    def __len__(self): return len(self.src)
+    def __getitem__(self, i): return self.src.name(i)
+    def __iter__(self): return map(self.src.name, range(len(self.src)))
+
 class DaliInputs:
     "What DALI reads for a dataset: its images (`files` for DALI's reader, or `python`, a `PythonSource`), fastai's encoded `targets`, and each item's `names` for errors"
     def __init__(self, files=None, python:PythonSource=None, targets:tuple=(), names=(), types:tuple=()):
@@ -277,7 +284,7 @@ class DaliInputs:
         src = x_sources(ds)
         if src is None: return None
         if isinstance(src, PythonSource):
-            names = [src.name(i) for i in range(len(src))]
+            names = ItemNames(src)
             return cls(python=src, targets=y_targets(ds, names), names=names, types=target_types(ds))
         targets = y_targets(ds, src)  # (label errors before the files' check)
         return cls(files=dali_files(src, pil_mode(ds), num_threads), targets=targets, names=src, types=target_types(ds))
