@@ -2,11 +2,14 @@
 `DaliDataLoaders.from_folder` on an ImageNet-shaped folder of many small JPEGs, each loader in a fresh process.
 
     python scripts/scale_first_batch.py [--n 200000] [--classes 1000] [--root /tmp/scale_200000] [--device cpu]
-        [--workers N] [--bs 256] [--repeats 1] [--trace DIR] [--shards N]
+        [--workers N] [--bs 256] [--repeats 1] [--trace DIR] [--shards N] [--mixed]
 
 `--shards N`: also write the folder as WebDataset shards of N samples (`write_shards`, timed, in the machine's processes,
 into ROOT_shards, index files removed) and add the rows `DaliDataLoaders.from_shards`, cold (it writes each shard's index
 beside it) then warm (the next open, in a new process, reads them).
+`--mixed`: also the row of a `DataBlock` whose `get_x` gives each file's bytes (`read_file_bytes`; DALI's Python worker
+processes call it), labelled and split as `from_folder` is (`parent_label`, `GrandparentSplitter`), through
+`dali_dataloaders`.
 
 `--trace DIR`: each loader's process also writes `DIR/<loader>_profile.txt` (cProfile of the build and the first batch,
 by cumulative then own time: its times are the profiler's, slower) and `DIR/<loader>_rss.txt` (the process's RSS every
@@ -70,6 +73,11 @@ class _RssByLine:
         with open(fn, 'w') as f: f.writelines(f'{mb:8.0f} MB  {k}\n' for k,mb in self.rows.items())
 
 
+def read_file_bytes(f):
+    "`get_x` of the mixed row: the file's bytes (module level: DALI's worker processes import it)"
+    return Path(f).read_bytes()
+
+
 def one(kind, root, device, workers, bs, trace=None):
     "Build `kind`'s loaders on `root`, take the first training batch; print one JSON line (`trace`: a folder for the profile and RSS trace)"
     import resource, cProfile, pstats
@@ -83,6 +91,11 @@ def one(kind, root, device, workers, bs, trace=None):
     elif kind.startswith('from_shards'):
         sh = Path(f'{root}_shards')
         dls = DaliDataLoaders.from_shards(sh/'train', sh/'valid', device=device, **{k:v for k,v in kw.items() if k != 'valid'})
+    elif kind == 'mixed':
+        from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, get_image_files, parent_label, GrandparentSplitter
+        dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
+                           splitter=GrandparentSplitter(valid_name='valid'), item_tfms=kw['item_tfms'], batch_tfms=kw['batch_tfms'])
+        dls = dblock.dali_dataloaders(root, bs=bs, device=device)
     else: dls = DaliDataLoaders.from_folder(root, device=device, **kw)
     t1 = time.perf_counter()
     x, y = next(iter(dls.train))
@@ -107,11 +120,12 @@ def main():
     p.add_argument('--bs', type=int, default=256); p.add_argument('--repeats', type=int, default=1); p.add_argument('--one')
     p.add_argument('--trace', help='a folder for each loader\'s profile and RSS trace (the times are then the profiler\'s)')
     p.add_argument('--shards', type=int, help='samples a shard: add the from_shards rows (shards written once, timed)')
+    p.add_argument('--mixed', action='store_true', help="add the row of a get_x giving each file's bytes")
     a = p.parse_args()
     root = a.root or f'/tmp/scale_{a.n}'
     if a.one: return one(a.one, root, a.device, a.workers, a.bs, a.trace)
     t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')
-    kinds = ['ImageDataLoaders', 'DaliDataLoaders']
+    kinds = ['ImageDataLoaders', 'DaliDataLoaders'] + (['mixed'] if a.mixed else [])
     if a.shards:
         from fastai_dali.shards import write_shards
         sh = Path(f'{root}_shards')
