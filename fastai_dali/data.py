@@ -124,7 +124,7 @@ def image_files(path, folders=None):
         if len(folders) != 0 and i == 0: d[:] = [o for o in d if o in folders]
         else: d[:] = [o for o in d if not o.startswith('.')]
         if len(folders) != 0 and i == 0 and '.' not in folders: continue
-        pre = '' if p == '.' else p + os.sep   # (Path('./a') is 'a')
+        pre = '' if p == '.' else p if p.endswith(os.sep) else p + os.sep   # (Path('./a') is 'a'; the root is '/')
         if pre.startswith('.' + os.sep): pre = pre[2:]
         res += [_named_path(pre + f) for f in fs if not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in exts]
     return L(res)

@@ -10,7 +10,7 @@ import numpy as np
 from fastcore.basics import *
 from fastcore.foundation import L
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-from nvidia.dali.tensors import TensorCPU, TensorListCPU
+from nvidia.dali.tensors import TensorListCPU
 from .core import *
 from .transforms import *
 from .pipeline import *
@@ -204,7 +204,9 @@ class HostList:
 class DaliIterator(DALIGenericIterator):
     "DALI's iterator, whose CPU outputs torch can read on DALI's default (dynamic) executor"
     def _get_outputs(self):
-        return [tuple(HostList(o) if isinstance(o, TensorListCPU) else o for o in outs) for outs in super()._get_outputs()]
+        outs = super()._get_outputs()
+        if not self._pipes[0].exec_dynamic: return outs   # (the classic executor's outputs are copied into torch's own tensors)
+        return [tuple(HostList(o) if isinstance(o, TensorListCPU) else o for o in out) for out in outs]
 
 
 # %% ../nbs/03e_feed.ipynb #c028
@@ -298,11 +300,11 @@ class Feed:
         else:
             # shuffled on several shards: the repeated items drawn with the reader's seed (not always the first ones), the same on every shard
             if num_shards > 1: idxs = shard_padded(idxs, num_shards, seeds.reader)
-            same = isinstance(idxs, range) and len(idxs) == len(inp)   # (every item in its place: the inputs' own lists)
+            same = isinstance(idxs, range)   # (every item in its place: the inputs' own lists)
             files,labels,source = (inp.files if same else [inp.files[i] for i in idxs]),idxs,None
         names = [] if not files else inp.names if files is inp.files else [inp.names[i] for i in idxs]  # the user's files, for error messages
         self.check_jpeg_ends(spec.num_threads)
-        mfiles = None if inp.masks is None else [inp.masks[i] for i in idxs]
+        mfiles = None if inp.masks is None else inp.masks if files is inp.files else [inp.masks[i] for i in idxs]
         # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built
         lists = [None if fs is None or source is not None else FileList(fs, labels) for fs in (files, mfiles)]
         pipe = fastai_pipeline(lists[0] or files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,

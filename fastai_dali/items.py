@@ -150,9 +150,9 @@ def _not_in_vocab(tl, f, why):
     return ValueError(f"the label of {f} is not in the vocab {list(getattr(tl, 'vocab', []))} ({why}). "
                       "fastai builds the vocab from the training set: is this class missing from train?")
 
-def _encode(tl, i, f):
+def _encode(tl, i, files):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
-    except KeyError as e: raise _not_in_vocab(tl, f, e.args[0]) from None
+    except KeyError as e: raise _not_in_vocab(tl, files[i], e.args[0]) from None   # (the item named only then)
 
 def _plain_fn(t):
     "The function a plain fastai `Transform` wraps (a `get_y` such as `parent_label`, `RegexLabeller`, `ColReader`), or None"
@@ -178,6 +178,8 @@ def _labels(items, fns):
         ys = map(parent_name if j == 0 and f is parent_label and all(isinstance(o, Path) for o in items) else f, ys)
     return ys
 
+class _NotInVocab(Exception): "A label `Categorize` has no code for"
+
 def _codes(tl, files):
     "The class index of every item of `tl` (`get_y` functions, then `Categorize`) as one int64 array, without fastai's per-item pipeline; None for other targets. `files`: the items' images, for errors"
     fs = list(getattr(getattr(tl, 'tfms', None), 'fs', []))
@@ -187,8 +189,11 @@ def _codes(tl, files):
     ys = _labels(tl.items, fns)
     if ys is None: return None
     o2i = fs[-1].vocab.o2i
-    try: return np.fromiter(map(o2i.__getitem__, ys), np.int64, len(tl.items))
-    except KeyError:
+    def code(y):   # (only the vocab's own KeyError: one a user's `get_y` raises is theirs, and goes as it is)
+        try: return o2i[y]
+        except KeyError: raise _NotInVocab() from None
+    try: return np.fromiter(map(code, ys), np.int64, len(tl.items))
+    except _NotInVocab:
         ys = list(_labels(tl.items, fns))
         i = next(i for i,y in enumerate(ys) if y not in o2i)
         raise _not_in_vocab(tl, files[i], f"Label '{ys[i]}' was not included in the training dataset") from None
@@ -241,7 +246,7 @@ def y_targets(ds, files):
             res.append(MaskFiles(masks)); continue
         codes = _codes(tl, files)   # (a class index an item, as array operations where fastai's transforms allow)
         if codes is not None: res.append(torch.from_numpy(codes)); continue
-        ys = [_encode(tl, i, f) for i,f in enumerate(files)]
+        ys = [_encode(tl, i, files) for i in range(len(files))]
         same = all(y.shape == ys[0].shape for y in ys)
         res.append(Ragged.of(ys) if not same and all(y.dim() >= 1 for y in ys) else torch.stack(ys) if ys else torch.empty(0))
     return tuple(res)

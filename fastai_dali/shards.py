@@ -32,13 +32,14 @@ _TEXT_MAX = 1 << 16  # label members up to 64 KiB are kept in the index
 
 @dataclass(frozen=True, slots=True)
 class TarSample:
-    "The image of sample `key` in the tar shard `tar`: `size` bytes at `offset`; `label`: the text of its label member, where `shard_samples` read one"
+    "The image of sample `key` in the tar shard `tar`: `size` bytes at `offset`; `label`: the text of its `label_ext` member, where `shard_samples` read one"
     tar: str
     key: str
     ext: str
     offset: int
     size: int
     label: str|None = field(default=None, compare=False, repr=False)  # (not part of what the sample is)
+    label_ext: str|None = field(default=None, compare=False, repr=False)  # the member `label` was read from
     def __repr__(self): return f'{self.tar}:{self.key}.{self.ext}'
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
@@ -232,7 +233,7 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
                 raise ValueError(f"{ix.tar}: sample {key!r} has no image (members: {', '.join(sorted(members))}; "
                                  f"images are one of {', '.join(IMAGE_EXTS)})")
             t = texts.get(key)
-            res.append(TarSample(ix.tar, key, ext, *members[ext], None if t is None else t.get(label)))
+            res.append(TarSample(ix.tar, key, ext, *members[ext], None if t is None else t.get(label), label))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
     return L(res)
 
@@ -241,6 +242,9 @@ class ShardLabel:
     "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed; its text read by `shard_samples`), through `get_y`, or named by `names` (a `.cls` index)"
     def __init__(self, label='cls', get_y=None, names=None): store_attr(store_args=False)
     def __call__(self, s):
+        if s.label_ext != self.label:
+            raise ValueError(f"{s.tar}: sample {s.key!r} was read with its .{s.label_ext} member as its label, and these loaders "
+                             f"label with .{self.label}: read it with `shard_samples(paths, label={self.label!r})`")
         t = s.label
         if t is None: raise ValueError(f"{s.tar}: sample {s.key!r} has no .{self.label} member to label it with")
         try: v = int(t.strip()) if self.label == 'cls' else json.loads(t) if self.label == 'json' else t.strip()
@@ -260,8 +264,8 @@ def _vocab_file(tars):
 
 def _train_vocab(items, train, get_y, multi_label):
     "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
-    ys = [get_y(items[i]) for i in train]
-    return sorted(set().union(*ys) if multi_label else set(ys))
+    ys = set().union(*(get_y(items[i]) for i in train)) if multi_label else {get_y(items[i]) for i in train}
+    return sorted(y for y in ys if y == y)   # (fastai's `CategoryMap` leaves out NaN)
 
 def _check_labels(items, get_y, vocab, multi_label):
     "Raise naming the first sample whose label is not in the given `vocab` (fastai's own error names no item)"

@@ -21,7 +21,7 @@ astronaut, ~1 validation image for 26 training ones) is written once, in paralle
 first training batch; peak RSS of that process (and of its children: fastai's workers). Ratios are to
 ImageDataLoaders in the same run. The bench's `scale` section is to replace this script.
 """
-import argparse, io, json, os, subprocess, sys, time
+import argparse, io, json, os, shutil, subprocess, sys, time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -129,14 +129,16 @@ def main():
     if a.shards:
         from fastai_dali.shards import write_shards
         sh = Path(f'{root}_shards')
-        if not (sh/'done').exists():
+        if not (sh/f'done_{a.shards}').exists():   # (written once for this many samples a shard)
+            if sh.exists(): shutil.rmtree(sh)
             t = time.perf_counter(); write_shards(root, sh, per_shard=a.shards, progress=False)
-            print(f'write_shards {sh} ({a.shards} a shard, {os.cpu_count()} processes): {time.perf_counter()-t:.1f} s'); (sh/'done').touch()
-        for f in sh.glob('*/*.idx*'): f.unlink()  # (the first from_shards row indexes them)
+            print(f'write_shards {sh} ({a.shards} a shard, {os.cpu_count()} processes): {time.perf_counter()-t:.1f} s'); (sh/f'done_{a.shards}').touch()
         kinds += ['from_shards (indexing)', 'from_shards (indexed)']
     rows = []
     for r in range(a.repeats):
         for kind in kinds:
+            if kind == 'from_shards (indexing)':   # (each repeat indexes them again)
+                for f in Path(f'{root}_shards').glob('*/*.idx*'): f.unlink()
             out = subprocess.run([sys.executable, __file__, '--one', kind, '--root', root, '--device', a.device,
                                   '--workers', str(a.workers), '--bs', str(a.bs)] + (['--trace', a.trace] if a.trace else []),
                                  capture_output=True, text=True)
