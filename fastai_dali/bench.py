@@ -16,13 +16,14 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 
 # %% auto #0
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'GOALS', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline',
-           'fit_workers', 'md_table', 'show_markdown', 'bench_loaders', 'compare_loaders', 'results_markdown',
-           'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound', 'bench_learner',
-           'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs',
-           'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace',
-           'memory_over_epochs', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown',
-           'webdataset_loader', 'evict_page_cache', 'bench_points', 'bench_boxes', 'bench_box_labels', 'target_blocks',
-           'run_bench', 'throughput_targets', 'goals_markdown', 'cli', 'gpu_memory_mb', 'time_loader']
+           'fit_workers', 'md_table', 'show_markdown', 'bench_loaders', 'round_ratio', 'compare_loaders',
+           'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'SyntheticDL', 'serial_bound',
+           'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput',
+           'fit_epochs', 'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto', 'trace_summary',
+           'fit_trace', 'memory_over_epochs', 'fastest_workers', 'augment_steps', 'pixel_parity', 'mixed_workers',
+           'epochs_markdown', 'webdataset_loader', 'evict_page_cache', 'bench_points', 'bench_boxes',
+           'bench_box_labels', 'target_blocks', 'run_bench', 'throughput_targets', 'goals_markdown', 'cli',
+           'gpu_memory_mb', 'time_loader']
 
 # %% ../nbs/07_bench.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -132,7 +133,7 @@ def _labelled_bar(items, comments, end=''):
 
 # %% ../nbs/07_bench.ipynb #c012
 def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=None, show_progress=True, label='timing loaders'):
-    "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first); the bar says `label`"
+    "Time each zero-argument loader factory in `loaders`: the median of `repeats` passes; `ratio` is to `baseline` (default: the first), the median of the rounds' ratios; the bar says `label`"
     # in rounds, every loader once per round: a drift of the machine's speed during the run reaches every loader alike;
     # each round starts one loader further on (a loader timed right after another one's pipeline ran is not always the same one)
     res,names,n = {},list(loaders),len(loaders)
@@ -145,9 +146,14 @@ def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=
         r = dict(runs[0]); r['runs'] = [o['img_s'] for o in runs]
         r['img_s'] = statistics.median(r['runs'])
         res[name] = r
-    base = res[baseline or names[0]]['img_s']
-    for r in res.values(): r['ratio'] = r['img_s']/base
+    base = res[baseline or names[0]]['runs']
+    for r in res.values(): r['ratio'],r['ratios'] = round_ratio(r['runs'], base)
     return res
+
+def round_ratio(runs, base):
+    "The ratio of a row's passes `runs` to the baseline's `base`, timed in the same rounds: each round's ratio, then their median (a round times both rows within seconds of each other, so a drift of the machine over the run, which moves one row's median against another's, cancels in it); and the rounds' ratios"
+    rs = [a/b for a,b in zip(runs, base)]
+    return statistics.median(rs),rs
 
 def compare_loaders(loaders:dict, max_batches=None, warmup=2, repeats=1):
     "Time each loader factory in `loaders` (see `bench_loaders`, without progress bar); ratios to the first"
@@ -941,7 +947,8 @@ def throughput_targets(res, gpu, W=None):
         base = r[_TLABELS]
         for k,name in ((_TPOINTS, 'points'), (_TBOXES, 'boxes')):
             d = (r[k].get('decode'), base.get('decode'))  # (a window decode for labels only: not the targets' own cost)
-            _target(t, f'{name} / labels only (DaliDataLoaders train, {p}, whole epochs)', r[k]['img_s']/base['img_s'],
+            # (each round's ratio, their median: `bench_loaders`; the rows' medians apart drift with the machine)
+            _target(t, f'{name} / labels only (DaliDataLoaders train, {p}, whole epochs)', r[k].get('ratio', r[k]['img_s']/base['img_s']),
                     GOALS[f'targets_{name}'], f'{name}: images decoded {d[0]}, labels: {d[1]}' if d[0] != d[1] else '')
     return t
 

@@ -416,6 +416,16 @@ def live_pipelines():
     "The DALI pipelines alive: those the loaders registered, and those a collection in another thread kept for the next build to shut down (02_pipeline)"
     return [*_live_pipes, *_deferred]
 
+def pipelines_now():
+    "Mark the DALI pipelines alive now (see `new_pipelines`); the mark"
+    mark = object()
+    for p in live_pipelines(): p._test_mark = mark
+    return mark
+
+def new_pipelines(mark):
+    "The ids of the DALI pipelines alive now that `pipelines_now()` did not mark: told by the mark, not by id (a pipeline freed since may have left its address to a new one) nor by a weak reference (a pipeline collected in another thread lives on in `_deferred`, its weak references cleared)"
+    return {id(p) for p in live_pipelines() if getattr(p, '_test_mark', None) is not mark}
+
 def pipes_of(*dls):
     "The DALI pipelines these loaders hold now: the one each iterates and those kept for the loaders made from it"
     return {id(b.pipeline) for dl in dls for b in [dl.built, *dl.pipelines] if b is not None}

@@ -33,7 +33,7 @@ import pytest
 from fastai.vision.all import Resize, Learner, Callback
 from fastai_dali.data import DaliDataLoaders
 
-from conftest import live_pipelines, build_at_once, id_of, IdNet, IdLoss
+from conftest import live_pipelines, pipelines_now, new_pipelines, build_at_once, id_of, IdNet, IdLoss
 from conftest import DEVICE, run_with_timeout
 from conftest import (BS, MALLOC_TOL_STEP, MALLOC_TOL_EPOCHS, id_loaders, labels_of, check_batch, check_train_epoch,
                       check_valid_epoch, RecordIds, resources, COUNTS, kb_diff, live_objects, tracked_in, accumulating,
@@ -53,7 +53,7 @@ CYCLES = (dict(files=(100, 10), bytes=(100, 10), workers=(40, 10)) if DEVICE == 
 
 @pytest.mark.parametrize('kind', ['files', 'bytes', 'workers'])
 def test_abandoned_epochs_cycles(id_root, kind):
-    pre = {id(p) for p in live_pipelines()}           # pipelines of earlier tests, still alive or not yet collected
+    pre = pipelines_now()           # pipelines of earlier tests, still alive or not yet collected
     dls = id_loaders(id_root, kind, num_threads=1)
     if kind == 'workers': build_at_once(dls.train, dls.valid)   # their worker processes start at the same time
     tr,va = {id_of(f) for f in dls.train_ds.items},[id_of(f) for f in dls.valid_ds.items]
@@ -87,7 +87,7 @@ def test_abandoned_epochs_cycles(id_root, kind):
     grows = {k: [samples[c][k] for c in cs] for k in COUNTS
              if sum(samples[d][k] > samples[c][k] for c,d in zip(cs, cs[1:])) > 1}
     assert not grows, f"counts at cycles {cs}: {grows}"
-    assert {id(p) for p in live_pipelines()} - pre == pipes_of(dls.train, dls.valid), "a DALI pipeline outlives its loader"
+    assert new_pipelines(pre) == pipes_of(dls.train, dls.valid), "a DALI pipeline outlives its loader"
     # ... Python objects of any type ...
     acc = accumulating(census)
     assert not acc, acc
@@ -131,7 +131,7 @@ class RecordFootprint(Callback):
         self.rows.append(resources(prev, collect=False))  # garbage just collected by the census
 
 def test_20_epochs_nothing_accumulates(id_root):
-    pre = {id(p) for p in live_pipelines()}
+    pre = pipelines_now()
     # 64x64 images (solid, so still decodable): keeping one batch per epoch is ~580 KB of malloc'd memory per epoch
     dls = DaliDataLoaders.from_folder(id_root, item_tfms=Resize(64), bs=BS, device=DEVICE, num_threads=1)
     rec = RecordIds()
@@ -153,7 +153,7 @@ def test_20_epochs_nothing_accumulates(id_root):
     for i,r in enumerate(rows):
         more = {k: (a[k], r[k]) for k in COUNTS if r[k] > a[k]}
         assert not more, f"epoch {i+5}, (at epoch 5, now): {more}"
-    assert {id(p) for p in live_pipelines()} - pre == pipes_of(dls.train, dls.valid)
+    assert new_pipelines(pre) == pipes_of(dls.train, dls.valid)
     assert (dls.train.n_builds, dls.valid.n_builds) == (1, 1)
     # ... Python objects of any type ...
     acc = accumulating(mem.census)
