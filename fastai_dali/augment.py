@@ -252,9 +252,9 @@ def _norm_to_pix(W, H, align_corners):
     return np_affine_mat(sx, 0, (W-1)/2, 0, sy, (H-1)/2)
 
 class AffineParams:
-    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; with `points`, the points' maps too (`WarpPoints`)"
-    def __init__(self, tfm, train=True, points=False):
-        self.train,self.align,self.points = train,tfm.align_corners is not False,points
+    "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; the points' maps of the same draws: `point_maps` (`WarpPoints`)"
+    def __init__(self, tfm, train=True):
+        self.train,self.align = train,tfm.align_corners is not False
         self.aff = [(affine_draws[f.func][1], f.keywords) for f in tfm.aff_fs]
         self.warps,self.size = list(tfm.coord_fs),tfm.cp_size
         self.n_draws = sum(affine_draws[f.func][0] for f in tfm.aff_fs) + 4*len(self.warps)
@@ -277,19 +277,23 @@ class AffineParams:
         # (whole batches: this runs in DALI's Python operator, which holds the GIL the loader's own thread needs)
         return _norm_to_pix(W, H, self.align) @ m @ np.linalg.inv(_norm_to_pix(ow, oh, self.align))
 
+    def point_maps(self, u, H, W):
+        "(B,3,3) fastai's maps of points in [-1, 1] (input -> output: the inverse of its grid's map, as `TensorPoint.affine_coord`) for the draws and sizes of `normalized`"
+        return np.linalg.inv(self.normalized(u, H, W))
+
     def __call__(self, us, shapes):
         sh = np.stack([np.asarray(s[:2], dtype=np.float64) for s in shapes])
         u = np.stack(us) if self.n_draws else np.zeros((len(us),0))
-        m = self.normalized(u, sh[:,0], sh[:,1])
-        mats = list(self.matrices(u, sh[:,0], sh[:,1], m).astype(np.float32))
-        # the points' maps (fastai's inverse of the grid's map) made here, in DALI's thread: in the loader's thread the
-        # inverse and products would each let go of the GIL, which this operator then keeps up to 5 ms
-        return (mats, list(np.linalg.inv(m).astype(np.float32))) if self.points else mats
+        return list(self.matrices(u, sh[:,0], sh[:,1]).astype(np.float32))
 
 class WarpPoints:
-    "fastai's map of points in [-1, 1] for an `AffineParams` warp (input -> output: the inverse of its grid's map, as `TensorPoint.affine_coord`): the pipeline's output `name`, which `AffineParams(points=True)` makes"
-    def __init__(self, name): store_attr()
-    def __call__(self, outputs, n:int): return np.asarray(outputs[self.name], dtype=np.float32).reshape(n, 3, 3)
+    "The points' maps of an `AffineParams` warp (`point_maps`), made on the host from the pipeline's outputs: the warp's draws (output `draws`) and its images' sizes (`size`: (h, w) numbers, or the name of an output whose first values are h, w)"
+    def __init__(self, params:AffineParams, draws:str, size): store_attr()
+    def __call__(self, outputs, n:int):
+        u = np.asarray(outputs[self.draws], dtype=np.float64).reshape(n, -1)[:, :self.params.n_draws]
+        s = self.size
+        H,W = (np.full(n, float(s[0])), np.full(n, float(s[1]))) if isinstance(s, tuple) else hw_of(np.asarray(outputs[s]).reshape(n, -1))
+        return self.params.point_maps(u, H, W).astype(np.float32)
 
 # %% ../nbs/01b_augment.ipynb #c025
 _pad = {PadMode.Reflection: ('reflect_101', 'reflect'), PadMode.Border: ('replicate', 'replicate'),
@@ -307,10 +311,12 @@ def _affine(tfm, out):
     if out.normalized or out.post or not _affine_ok(tfm): return not_fused
     border = _pad[tfm.pad_mode][0 if tfm.align_corners is not False else 1]
     def stage(img, g):
-        params,hw = AffineParams(tfm, train=g.train, points=g.host is not None),g.hw_node(img)
-        m = _drawn(g, tfm, 'affine', params, lambda: [hw], num_outputs=2 if params.points else 1)
-        if isinstance(m, (list, tuple)): m,pm = m   # with points, their maps too (a mask's graph shares its images')
-        if g.host is not None: g.host.warp = WarpPoints(g.point_output(pm))  # fastai's inverse map, from the same draws
+        params,size,hw = AffineParams(tfm, train=g.train),g.size(img),g.hw_node(img)
+        m = _drawn(g, tfm, 'affine', params, lambda: [hw])   # (a mask's graph shares its images')
+        # the points' maps (fastai's inverse of the grid's map) of the same draws, made on the host from the draws and
+        # sizes: DALI's Python operator, which holds the GIL in a pipeline bound by its CPU, makes the images' alone
+        if g.host is not None: g.host.warp = WarpPoints(params, g.point_output(_draws(g, tfm, 'affine', params)),
+                                                        size if isinstance(size, tuple) else g.point_output(hw))
         kw = {} if tfm.cp_size is None else dict(size=list(tfm.cp_size))
         return fn.experimental.warp_perspective(img, matrix=m, border_mode=border, pixel_origin='center', fill_value=[0],
                                                 interp_type=_modes[tfm.mode_mask if g.is_mask else tfm.mode], **kw)

@@ -216,8 +216,9 @@ def test_affine_train_draws():
     u = np.stack([[0.,1,0,1], [0]*4, (np.array(ang)/25+1)/2, [0]*4, (np.array(zs)-1)/0.3, cx, cy,
                   [0]*4, (np.array(wx)/0.3+1)/2, [0]*4, (np.array(wy)/0.3+1)/2], 1)
     H,W = 30, 40
-    mats,maps = AffineParams(t, points=True)(list(u), [np.array([H, W, 3])]*4)
-    def presets(g): g.preset(t, 'affine', [const(mats), const(maps)])   # the warp's matrices and the points' maps of those draws
+    mats = AffineParams(t)(list(u), [np.array([H, W, 3])]*4)
+    def presets(g):  # the draws, and the warp's matrices of them (the host makes the points' maps of the same draws)
+        g.preset(t, 'affine draws', const(u)); g.preset(t, 'affine', const(mats))
     gi,gb = dali_item_maps([Resize((H, W), method='squish'), PointScaler()], [(H, W)]*4, presets, batch_tfms=[IntToFloatTensor(), t])
     pts = torch.tensor([[[8., 6.], [20., 15.], [39., 1.], [-3., 33.]]]*4)
     x = TensorImage(torch.zeros(4, 3, H, W))
