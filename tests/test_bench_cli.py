@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import DEVICE
 from fastai_dali.bench import (fit_workers, fastest_workers, throughput_targets, goals_markdown, show_markdown,
-                               bench_loaders, fit_rounds, cli, _RAW)
+                               bench_loaders, fit_rounds, cli)
+from fastai_dali.bench.core import _RAW
 
 from test_user_commands import not_dalis_codec_notices  # DALI's notices that optional codec libraries are missing
 ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
