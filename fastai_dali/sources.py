@@ -12,7 +12,7 @@ from fastcore.basics import *
 from .items import PythonSource
 
 # %% auto #0
-__all__ = ['EpochFlag', 'pack_bytes', 'EpochSource', 'unguarded_script', 'python_workers_kwargs']
+__all__ = ['EpochFlag', 'pack_bytes', 'EpochSource', 'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -122,22 +122,31 @@ def _guarded_lines(source:str):
     return [(n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.If) and _is_main_test(n.test)]
 
 def unguarded_script():
-    "The file of the script running as `__main__` when this call comes from its top level outside `if __name__ == '__main__':` (DALI's spawned workers would run it again), else None"
+    "The file of the script running as `__main__` when spawned worker processes cannot start from this call: its top level outside `if __name__ == '__main__':` (they would run it again), or code read from standard input (`<stdin>`: they cannot import it, guarded or not); else None"
     main = sys.modules.get('__main__')
     f = getattr(main, '__file__', None)
-    if not f or not os.path.isfile(f): return None  # a notebook, `python -c`: nothing to import again
+    if not f: return None  # a notebook, `python -c`: nothing to import again
+    if not os.path.isfile(f):   # (`python -m`'s module is imported by name, not from a file)
+        return f if getattr(getattr(main, '__spec__', None), 'name', None) is None else None
     top = next((fr for fr,_ in traceback.walk_stack(None) if fr.f_code.co_name == '<module>' and fr.f_globals is vars(main)), None)
     if top is None: return None
     try: blocks = _guarded_lines(open(f, encoding='utf-8').read())
     except (OSError, UnicodeDecodeError): return None
     return None if blocks is None or any(a <= top.f_lineno <= b for a,b in blocks) else f
 
+def spawn_blocked_msg(script, then):
+    "What to say where `script` (`unguarded_script`) is code read from standard input: worker processes cannot import it; `then`: what happens instead, and the start of how to get them"
+    return (f"this code was read from standard input ({script}): worker processes start by importing the main script "
+            f"('spawn'), and cannot import it, so {then}save it as a script with its work under `if __name__ == '__main__':`.")
+
 # %% ../nbs/03d_sources.ipynb #c012
 def python_workers_kwargs(source, n_workers):
     "Pipeline arguments for `source` in `n_workers` DALI worker processes (0: in this process), after checking it can be sent there"
     if n_workers == 0: return {}
     if (script := unguarded_script()) is not None:
-        warnings.warn(f"{script} builds its loaders at its top level, outside `if __name__ == '__main__':`. DALI's worker "
+        warnings.warn(spawn_blocked_msg(script, f"`get_x` runs in this process. For {n_workers} worker processes, ")
+                      if not os.path.isfile(script) else
+                      f"{script} builds its loaders at its top level, outside `if __name__ == '__main__':`. DALI's worker "
                       "processes start by importing the script ('spawn'), which would run it again, so `get_x` runs in this "
                       f"process. Put the script's work under `if __name__ == '__main__':` for {n_workers} worker processes.", stacklevel=2)
         return {}

@@ -258,8 +258,9 @@ def test_skip_unreadable_in_shards(tmp_path):
     assert [s.key for s in dls.train_ds.items] == ['a', 'c'] and [s.key for s in dls.valid_ds.items] == ['v']
 
 @pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU run's, CI runs this")
-def test_top_level_script_writes_and_reads_shards(tmp_path):
-    "A plain script without `if __name__ == '__main__':` writes shards (asking for worker processes) and reads them with DALI's worker processes asked for too: both run in its own process, with no error, and say so once"
+@pytest.mark.parametrize('how', ['file', 'stdin'])
+def test_top_level_script_writes_and_reads_shards(tmp_path, how):
+    "A plain script without `if __name__ == '__main__':` (a file, or code piped to `python -`, which spawned processes cannot import at all) writes shards (asking for worker processes) and reads them with DALI's worker processes asked for too: both run in its own process, with no error, and say so once"
     import subprocess, sys, textwrap
     script = tmp_path/'shards.py'
     script.write_text(textwrap.dedent(f'''
@@ -274,7 +275,9 @@ def test_top_level_script_writes_and_reads_shards(tmp_path):
         import multiprocessing
         print('shards', len(res['train']), len(res['valid']), 'batch', tuple(x.shape), 'workers', len(multiprocessing.active_children()))
         '''))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = dict(file=dict(args=[sys.executable, str(script)]), stdin=dict(args=[sys.executable, '-'], input=script.read_text()))[how]
+    r = subprocess.run(capture_output=True, text=True, timeout=300, cwd=tmp_path, **run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == 'shards 6 2 batch (2, 3, 16, 16) workers 0', r.stdout
-    assert r.stderr.count("outside `if __name__ == '__main__':`") == 1, r.stderr[-3000:]
+    said = dict(file="outside `if __name__ == '__main__':`", stdin="read from standard input (<stdin>)")[how]
+    assert r.stderr.count(said) == 1, r.stderr[-3000:]
