@@ -10,6 +10,7 @@ from pathlib import Path
 from PIL import Image
 from .core import *
 from .formats import *
+from .sources import _jpeg_ends
 
 # %% auto #0
 __all__ = ['BACKGROUND_MIN', 'DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error',
@@ -95,10 +96,6 @@ def unreadable_images(src, num_threads=None):
     return [(i,r) for i,r in enumerate(res) if r is not None]
 
 # %% ../nbs/03b_errors.ipynb #c013
-def _jpeg_ends(tail:bytes):
-    "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
-    return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
-
 def _head_tail(f, tail=4096):
     "The first 3 and the last `tail` bytes of file `f` (one read for a file no longer than `tail`)"
     fd = os.open(f, os.O_RDONLY)

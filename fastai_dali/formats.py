@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import numpy as np
 from PIL import Image
-from fastai.vision.core import load_image
 
 # %% auto #0
 __all__ = ['JPEG_EXTS', 'dali_decodes', 'file_decodes', 'pil_png']
@@ -38,6 +37,7 @@ def file_decodes(f):
 # %% ../nbs/03a_formats.ipynb #c009
 def pil_png(x, mode='RGB'):
     "Lossless PNG bytes of image `x` (a path or encoded bytes) decoded as fastai's `PILImage.create` does"
+    from fastai.vision.core import load_image  # (here, not at the top: DALI's worker processes import this module)
     im = load_image(io.BytesIO(bytes(x)) if isinstance(x, (bytes, bytearray, memoryview, np.ndarray)) else x, mode=mode)
     buf = io.BytesIO(); im.save(buf, format='PNG', compress_level=1)
     return buf.getvalue()

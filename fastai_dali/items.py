@@ -4,7 +4,7 @@
 
 # %% ../nbs/03c_items.ipynb #c002
 from __future__ import annotations
-import io, os, warnings, hashlib, shutil, tempfile
+import os, warnings, hashlib, shutil, tempfile
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -21,6 +21,7 @@ from fastai.vision.core import PILBase, PILMask, TensorPoint
 from .core import *
 from .formats import *
 from .errors import *
+from .sources import checked_image, ShardSource
 
 # %% auto #0
 __all__ = ['dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
@@ -53,6 +54,16 @@ def _is_noop(t):
     "Whether `t` is a plain `Transform` of fastcore's or fastai's `noop` (what `DataBlock` puts where no `get_x` is given)"
     ms = getattr(getattr(t, 'encodes', None), 'methods', [])
     return type(t) is Transform and bool(ms) and all(m.implementation in _noops for m in ms)
+
+# %% ../nbs/03c_items.ipynb #f3d92ce0
+def _wrapped(t):
+    "The function a fastai `Pipeline` wrapped in `Transform` `t` (e.g. a `DataBlock`'s `get_x`, `before_batch=bb_pad`)"
+    for m in getattr(getattr(t, 'encodes', None), 'methods', []):
+        f = m.implementation
+        for c in (f.__closure__ or ()):
+            if callable(c.cell_contents): return c.cell_contents
+        return f
+    return t
 
 # %% ../nbs/03c_items.ipynb #c006
 _png_dir = None
@@ -111,16 +122,7 @@ class PythonSource:
         "The encoded image `get_x` gives for item `i`"
         x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]
         return Path(x).read_bytes() if isinstance(x, (str, Path)) else x
-    def __getitem__(self, i):
-        x = self.encoded(i)
-        if bytes(x[:3]) == b'\xff\xd8\xff' and not self.load_truncated:  # a JPEG cut short: nvJPEG decodes it silently
-            why = jpeg_problem(x)
-            if why: raise DaliReadError(read_error_msg(self.name(i), f'the JPEG is truncated ({why})'))
-        if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
-            try: x = pil_png(x, self.mode)
-            except Exception as e:
-                raise DaliReadError(read_error_msg(self.name(i), f'{type(e).__name__}: {e}')) from None
-        return np.frombuffer(x, dtype=np.uint8)
+    def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
 
 # %% ../nbs/03c_items.ipynb #c009
 def x_sources(ds):
@@ -129,7 +131,10 @@ def x_sources(ds):
     x = lambda o: compose_tfms(o, tfms=pre) if pre else o
     if not items: return []
     x0 = x(items[0])
-    if isinstance(x0, (bytes, bytearray, memoryview)): return PythonSource(items, pre, pil_mode(ds))
+    if isinstance(x0, (bytes, bytearray, memoryview)):
+        # a `get_x` may name the source that reads its items without it in DALI's workers (`read_sample`: `ShardSource`)
+        own = getattr(_wrapped(pre[0]), 'dali_source', None) if len(pre) == 1 else None
+        return (own and own(items, pil_mode(ds))) or PythonSource(items, pre, pil_mode(ds))
     if not isinstance(x0, (str, Path)): return None
     res = [x(o) for o in items]
     bad = next((o for o in res if not isinstance(o, (str, Path))), None)
@@ -288,7 +293,7 @@ class DaliInputs:
         "What DALI reads for dataset `ds` (its labels computed here), or None when its items are not images DALI can read"
         src = x_sources(ds)
         if src is None: return None
-        if isinstance(src, PythonSource):
+        if isinstance(src, (PythonSource, ShardSource)):
             names = ItemNames(src)
             return cls(python=src, targets=y_targets(ds, names), names=names, types=target_types(ds))
         targets = y_targets(ds, src)  # (label errors before the files' check)

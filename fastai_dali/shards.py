@@ -18,7 +18,7 @@ from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock
 from fastai.data.transforms import IndexSplitter, RandomSplitter
 from fastai.vision.data import ImageBlock
 from .core import *
-from .sources import unguarded_script
+from .sources import unguarded_script, read_member, ShardSource
 from .data import *
 
 # %% auto #0
@@ -62,28 +62,17 @@ class TarSamples:
         return TarSample(self.tars[self.tar[i]], self.keys[self.starts[i]:self.starts[i+1]-1], self.exts[self.ext[i]],
                          int(self.offset[i]), int(self.size[i]))
 
-_fds = {}      # (process, shard) -> an open descriptor, the last `_MAX_FDS` used
-_MAX_FDS = 256  # (a data set of thousands of shards must not run into the process's limit on open files)
-
-def _fd(path):
-    "A read-only descriptor of `path`, opened once per process (again in a forked child) while among the last used"
-    k = (os.getpid(), path)
-    fd = _fds.pop(k, None)
-    if fd is None:
-        fd = os.open(path, os.O_RDONLY)
-        while len(_fds) >= _MAX_FDS:
-            (pid,t),old = next(iter(_fds.items())); del _fds[(pid,t)]  # the one used longest ago
-            if pid == os.getpid(): os.close(old)
-    _fds[k] = fd  # (used last: at the end)
-    return fd
-
 def read_sample(o):
     "`get_x` of shards: the encoded image of a `TarSample` (a file path's bytes; anything else, e.g. a `PILImage`, as it is)"
-    if isinstance(o, TarSample):
-        b = os.pread(_fd(o.tar), o.size, o.offset)
-        if len(b) != o.size: raise OSError(f"{o}: the shard ends {o.size-len(b)} bytes before this member does (truncated?)")
-        return b
+    if isinstance(o, TarSample): return read_member(o.tar, o.offset, o.size, o)
     return Path(o).read_bytes() if isinstance(o, (str, Path)) else o
+
+def _shard_source(items, mode):
+    "What DALI's worker processes read `items` with when they are all `TarSample`s: a `ShardSource` (no fastai there); else None"
+    if not all(type(o) is TarSample for o in items): return None
+    from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
+    return ShardSource(TarSamples(items), mode, ImageFile.LOAD_TRUNCATED_IMAGES)
+read_sample.dali_source = _shard_source  # (`x_sources`: the get_x's own source)
 
 # %% ../nbs/04d_shards.ipynb #c007
 def _split_name(name):

@@ -8,11 +8,12 @@ import ast, os, struct, sys, tempfile, traceback, warnings, weakref
 import numpy as np
 from multiprocessing import shared_memory
 from multiprocessing.util import Finalize
+import io
 from fastcore.basics import *
-from .items import PythonSource
 
 # %% auto #0
-__all__ = ['EpochFlag', 'pack_bytes', 'EpochSource', 'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
+__all__ = ['EpochFlag', 'pack_bytes', 'checked_image', 'read_member', 'ShardSource', 'EpochSource', 'unguarded_script',
+           'spawn_blocked_msg', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -80,6 +81,66 @@ def pack_bytes(xs):
     for row,x,n in zip(out, xs, lengths): row[:n] = x
     return out,lengths[:, None]
 
+
+# %% ../nbs/03d_sources.ipynb #d0033a95
+_JPEG = b'\xff\xd8\xff'
+
+def _jpeg_ends(tail:bytes):
+    "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
+    return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
+
+def checked_image(x, name, mode='RGB', load_truncated=False):
+    "Encoded image `x` as DALI's decoder takes it (a uint8 array): a JPEG cut short raises a `DaliReadError` naming `name()` (unless fastai's PIL loads truncated images), a format DALI decodes otherwise than PIL goes as a lossless PNG of fastai's pixels in `mode`"
+    jpeg = bytes(x[:3]) == _JPEG
+    if jpeg and not load_truncated and not _jpeg_ends(bytes(x[-4096:])):  # a JPEG cut short: nvJPEG decodes it silently
+        from fastai_dali.errors import jpeg_problem, DaliReadError, read_error_msg
+        if why := jpeg_problem(x): raise DaliReadError(read_error_msg(name(), f'the JPEG is truncated ({why})'))
+    if not jpeg:
+        from PIL import Image
+        from fastai_dali.formats import dali_decodes, pil_png  # (PIL: fastai only where `pil_png` converts)
+        if not dali_decodes(bytes(x[:32]), lambda: Image.open(io.BytesIO(x))):  # GIF, 16-bit...: PIL decodes it
+            from fastai_dali.errors import DaliReadError, read_error_msg
+            try: x = pil_png(x, mode)
+            except Exception as e: raise DaliReadError(read_error_msg(name(), f'{type(e).__name__}: {e}')) from None
+    return np.frombuffer(x, dtype=np.uint8)
+
+# %% ../nbs/03d_sources.ipynb #e51d2c42
+_fds = {}      # (process, shard) -> an open descriptor, the last `_MAX_FDS` used
+_MAX_FDS = 256  # (a data set of thousands of shards must not run into the process's limit on open files)
+
+def _fd(path):
+    "A read-only descriptor of `path`, opened once per process (again in a forked child) while among the last used"
+    k = (os.getpid(), path)
+    fd = _fds.pop(k, None)
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY)
+        while len(_fds) >= _MAX_FDS:
+            (pid,t),old = next(iter(_fds.items())); del _fds[(pid,t)]  # the one used longest ago
+            if pid == os.getpid(): os.close(old)
+    _fds[k] = fd  # (used last: at the end)
+    return fd
+
+def read_member(tar, offset:int, size:int, name):
+    "The `size` bytes at `offset` of the tar shard `tar` (`name`: the sample, in errors)"
+    b = os.pread(_fd(tar), size, offset)
+    if len(b) != size: raise OSError(f"{name}: the shard ends {size-len(b)} bytes before this member does (truncated?)")
+    return b
+
+class ShardSource:
+    "The encoded image of item `i` of tar shards' samples (`samples`: `TarSamples`, whose columns it keeps), read by offset and checked (`checked_image`): `from_shards`' `get_x` as DALI's worker processes run it"
+    def __init__(self, samples, mode='RGB', load_truncated=False):
+        self.__dict__.update(vars(samples))  # (numbers and strings: a worker needs no class of fastai_dali.shards)
+        self.mode,self.load_truncated = mode,load_truncated
+    def __len__(self): return len(self.offset)
+    def item_name(self, i):
+        "Sample `i` as a `TarSample` names itself: its shard, key and extension"
+        return f'{self.tars[self.tar[i]]}:{self.keys[self.starts[i]:self.starts[i+1]-1]}.{self.exts[self.ext[i]]}'
+    def name(self, i): return f'item {i} ({self.item_name(i)})'
+    def encoded(self, i):
+        "The encoded image of sample `i`"
+        i = int(i)
+        return read_member(self.tars[self.tar[i]], int(self.offset[i]), int(self.size[i]), self.item_name(i))
+    def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
 
 # %% ../nbs/03d_sources.ipynb #c008
 class EpochSource(_PickledInFile):

@@ -16,6 +16,7 @@ from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU, CropPad
 from fastai.vision.data import bb_pad
 from .transforms import *
 from .items import *
+from .items import _wrapped
 
 # %% auto #0
 __all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch',
@@ -37,15 +38,6 @@ def changes(tfm, typ) -> bool:
     return any(_accepts(m.signature.types[1] if len(m.signature.types) > 1 else None, typ) for m in methods)
 
 # %% ../nbs/03ca_targets.ipynb #c008
-def _wrapped(t):
-    "The function a fastai `Pipeline` wrapped in `Transform` `t` (e.g. `before_batch=bb_pad`)"
-    for m in getattr(getattr(t, 'encodes', None), 'methods', []):
-        f = m.implementation
-        for c in (f.__closure__ or ()):
-            if callable(c.cell_contents): return c.cell_contents
-        return f
-    return t
-
 def bb_pad_of(t):
     "The `pad_idx` of `t` if it is fastai's `bb_pad` (or a `partial` of it), else None"
     f = _wrapped(t)

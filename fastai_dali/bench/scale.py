@@ -115,6 +115,7 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
     "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars)"
     res = []
     if any(k.startswith('from_shards') for k in kinds):
+        if not shards: raise ValueError("the from_shards rows need `shards`: how many samples a shard")
         from fastai_dali.shards import write_shards
         sh = Path(f'{root}_shards')
         if not (sh/f'done_{shards}').exists():   # (written once for this many samples a shard)
