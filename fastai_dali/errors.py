@@ -10,7 +10,7 @@ from pathlib import Path
 from PIL import Image
 from .core import *
 from .formats import *
-from .sources import _jpeg_ends
+from .sources import jpeg_ends
 
 # %% auto #0
 __all__ = ['BACKGROUND_MIN', 'DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error',
@@ -108,7 +108,7 @@ def _head_tail(f, tail=4096):
 def jpeg_problem(x, tail=4096):
     "Why JPEG `x` (a path or encoded bytes) is cut short, as fastai (PIL) sees it; `None` when complete or not a JPEG"
     head,end = _head_tail(x, tail) if isinstance(x, (str, Path)) else (bytes(x[:3]),bytes(x[-tail:]))
-    if head != b'\xff\xd8\xff' or _jpeg_ends(end): return None  # not a JPEG (DALI names those itself), or complete
+    if head != b'\xff\xd8\xff' or jpeg_ends(end): return None  # not a JPEG (DALI names those itself), or complete
     return pil_problem(x)
 
 def _truncated_in(files, idxs):

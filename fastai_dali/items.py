@@ -24,8 +24,8 @@ from .errors import *
 from .sources import checked_image, ShardSource
 
 # %% auto #0
-__all__ = ['dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged', 'y_targets',
-           'target_types', 'ItemNames', 'DaliInputs']
+__all__ = ['wrapped_fn', 'dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged',
+           'y_targets', 'target_types', 'ItemNames', 'DaliInputs']
 
 # %% ../nbs/03c_items.ipynb #c004
 def _created_cls(f):
@@ -56,7 +56,7 @@ def _is_noop(t):
     return type(t) is Transform and bool(ms) and all(m.implementation in _noops for m in ms)
 
 # %% ../nbs/03c_items.ipynb #f3d92ce0
-def _wrapped(t):
+def wrapped_fn(t):
     "The function a fastai `Pipeline` wrapped in `Transform` `t` (e.g. a `DataBlock`'s `get_x`, `before_batch=bb_pad`)"
     for m in getattr(getattr(t, 'encodes', None), 'methods', []):
         f = m.implementation
@@ -133,7 +133,7 @@ def x_sources(ds):
     x0 = x(items[0])
     if isinstance(x0, (bytes, bytearray, memoryview)):
         # a `get_x` may name the source that reads its items without it in DALI's workers (`read_sample`: `ShardSource`)
-        own = getattr(_wrapped(pre[0]), 'dali_source', None) if len(pre) == 1 else None
+        own = getattr(wrapped_fn(pre[0]), 'dali_source', None) if len(pre) == 1 else None
         return (own and own(items, pil_mode(ds))) or PythonSource(items, pre, pil_mode(ds))
     if not isinstance(x0, (str, Path)): return None
     res = [x(o) for o in items]

@@ -12,8 +12,8 @@ import io
 from fastcore.basics import *
 
 # %% auto #0
-__all__ = ['EpochFlag', 'pack_bytes', 'checked_image', 'read_member', 'ShardSource', 'EpochSource', 'unguarded_script',
-           'spawn_blocked_msg', 'python_workers_kwargs']
+__all__ = ['EpochFlag', 'pack_bytes', 'jpeg_ends', 'checked_image', 'read_member', 'ShardSource', 'EpochSource',
+           'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -85,14 +85,14 @@ def pack_bytes(xs):
 # %% ../nbs/03d_sources.ipynb #d0033a95
 _JPEG = b'\xff\xd8\xff'
 
-def _jpeg_ends(tail:bytes):
+def jpeg_ends(tail:bytes):
     "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
     return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
 
 def checked_image(x, name, mode='RGB', load_truncated=False):
     "Encoded image `x` as DALI's decoder takes it (a uint8 array): a JPEG cut short raises a `DaliReadError` naming `name()` (unless fastai's PIL loads truncated images), a format DALI decodes otherwise than PIL goes as a lossless PNG of fastai's pixels in `mode`"
     jpeg = bytes(x[:3]) == _JPEG
-    if jpeg and not load_truncated and not _jpeg_ends(bytes(x[-4096:])):  # a JPEG cut short: nvJPEG decodes it silently
+    if jpeg and not load_truncated and not jpeg_ends(bytes(x[-4096:])):  # a JPEG cut short: nvJPEG decodes it silently
         from fastai_dali.errors import jpeg_problem, DaliReadError, read_error_msg
         if why := jpeg_problem(x): raise DaliReadError(read_error_msg(name(), f'the JPEG is truncated ({why})'))
     if not jpeg:

@@ -16,7 +16,7 @@ from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU, CropPad
 from fastai.vision.data import bb_pad
 from .transforms import *
 from .items import *
-from .items import _wrapped
+from .items import wrapped_fn
 
 # %% auto #0
 __all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch',
@@ -40,7 +40,7 @@ def changes(tfm, typ) -> bool:
 # %% ../nbs/03ca_targets.ipynb #c008
 def bb_pad_of(t):
     "The `pad_idx` of `t` if it is fastai's `bb_pad` (or a `partial` of it), else None"
-    f = _wrapped(t)
+    f = wrapped_fn(t)
     if f is bb_pad: return 0
     if isinstance(f, functools.partial) and f.func is bb_pad and not f.args: return f.keywords.get('pad_idx', 0)
 

@@ -24,7 +24,7 @@ them in the bench (with `get_image_files` alone and a second open of the folder)
 """
 
 import argparse, os, time
-from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_markdown, _one_process
+from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_markdown, scale_process
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
     a = p.parse_args()
     root = a.root or f'/tmp/scale_{a.n}'
     kw = dict(device=a.device, workers=a.workers, bs=a.bs, trace=a.trace)
-    if a.one: return _one_process(a.one, root, **kw)
+    if a.one: return scale_process(a.one, root, **kw)
     t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')
     kinds = ['ImageDataLoaders', 'DaliDataLoaders'] + (['mixed'] if a.mixed else []) + (['from_shards (indexing)', 'from_shards (indexed)'] if a.shards else [])
     rows = scale_rows(root, kinds, repeats=a.repeats, shards=a.shards, **kw)

@@ -9,7 +9,7 @@ import pytest
 from conftest import DEVICE
 from fastai_dali.bench import (fit_workers, fastest_workers, throughput_targets, goals_markdown, show_markdown,
                                bench_loaders, fit_rounds, cli)
-from fastai_dali.bench.core import _RAW
+from fastai_dali.bench.core import ROW_RAW
 
 from test_user_commands import not_dalis_codec_notices  # DALI's notices that optional codec libraries are missing
 ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
@@ -51,7 +51,7 @@ def test_help_says_the_fitted_defaults(capsys):
     assert e.value.code == 0 and f"min(16, cores), its half and its quarter: {fw} here" in h and f'as --workers, {fw} here' in h, h
 
 def test_goals_compare_with_the_fastest_imagedataloaders():
-    thr = {_RAW: {'img_s': 100.}, 'DaliDataLoaders train': {'img_s': 95.}, 'ImageDataLoaders train (4 workers)': {'img_s': 50.},
+    thr = {ROW_RAW: {'img_s': 100.}, 'DaliDataLoaders train': {'img_s': 95.}, 'ImageDataLoaders train (4 workers)': {'img_s': 50.},
            'ImageDataLoaders train (16 workers)': {'img_s': 20.}}  # 16 workers, on a machine that runs 4 faster
     assert fastest_workers(thr) == 4
     res = {'throughput': thr, 'fit_img_s': {'resnet18': {'model only (synthetic batches on the GPU)': 100., 'DaliDataLoaders': 90.,

@@ -10,14 +10,14 @@ from ..core import *
 from ..demo import make_bench_dataset
 from .core import *
 from .loaders import *
-from .loaders import _loader_sections
+from .loaders import loader_sections
 from .training import *
-from .training import _training_section, _trace_section
-from .shards import _shards_section
-from .targets import _targets_section
-from .scale import _scale_section, default_scale_n
+from .training import training_section, trace_section
+from .shards import shards_section
+from .targets import targets_section
+from .scale import scale_section, default_scale_n
 from .report import *
-from .report import _write_results
+from .report import write_results
 
 # %% auto #0
 __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'run_bench', 'cli']
@@ -56,20 +56,20 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     kw = dict(item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=bs, device=device)
     if loaders:
         dls = DaliDataLoaders.from_folder(root, **kw)
-        D,W = _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
+        D,W = loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
     else: res['throughput'],D,W = {},{},max(workers)
-    if 'shards' in S: _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
-    if 'targets' in S: _targets_section(res, root, kw, size, repeats, warmup, aug)
-    if 'scale' in S: _scale_section(res, tuple(scale_n or (default_scale_n(gpu),)), scale_classes, device, max(workers), bs,
+    if 'shards' in S: shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
+    if 'targets' in S: targets_section(res, root, kw, size, repeats, warmup, aug)
+    if 'scale' in S: scale_section(res, tuple(scale_n or (default_scale_n(gpu),)), scale_classes, device, max(workers), bs,
                                     shards=scale_shards, mixed=scale_mixed, root=scale_root)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     res['fit_img_s'],res['fit_runs'] = {},{}
-    if gpu and 'training' in S: _training_section(S, res, archs, root, dls, kw, size, D, W, epochs)
-    if gpu and 'trace' in S: _trace_section(res, archs, dls, kw, size, out)
+    if gpu and 'training' in S: training_section(S, res, archs, root, dls, kw, size, D, W, epochs)
+    if gpu and 'trace' in S: trace_section(res, archs, dls, kw, size, out)
     res['targets'] = throughput_targets(res, gpu, W)
     show_markdown(goals_markdown(res))
-    _write_results(res, out, mem_epochs)
+    write_results(res, out, mem_epochs)
     return res
 
 # %% ../../nbs/07i_bench_cli.ipynb #c026

@@ -15,9 +15,10 @@ from fastcore.basics import noop
 _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.demo`; the benchmark's names include it
 
 # %% auto #0
-__all__ = ['raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'fit_workers', 'md_table', 'show_markdown',
-           'bench_loaders', 'round_ratio', 'compare_loaders', 'results_markdown', 'bar_chart', 'decode_only_pipeline',
-           'decode_only_loader', 'fastest_workers', 'gpu_memory_mb', 'time_loader']
+__all__ = ['ROW_RAW', 'IDL_ROW_RE', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'fit_workers',
+           'md_table', 'show_markdown', 'labelled_bar', 'bench_loaders', 'round_ratio', 'compare_loaders',
+           'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'read_file_bytes',
+           'workers_name', 'fastest_workers', 'gpu_memory_mb', 'time_loader']
 
 # %% ../../nbs/07a_bench_core.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -114,7 +115,7 @@ def _clip(s, n):
     if m < 8: head,name,m = '',s,n  # no room for a name after it: the whole comment clipped
     return head + (name if len(name) <= m else name[:m-1-m*2//5] + '…' + name[-(m*2//5):])
 
-def _labelled_bar(items, comments, end=''):
+def labelled_bar(items, comments, end=''):
     "Iterate `items` under fastprogress' `progress_bar`, its comment `comments[i]` while item `i` runs, `end` after the last"
     pb = progress_bar(items)
     # a console bar gives its own length to a longer line and never takes it back: comments clipped to leave it some
@@ -133,7 +134,7 @@ def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=
     res,names,n = {},list(loaders),len(loaders)
     passes,order = {k: [] for k in names},[names[(r+i) % n] for r in range(repeats) for i in range(n)]
     said = [f'{label} {i//len(names)+1}/{repeats}: {k}' for i,k in enumerate(order)]  # the round, the loader
-    for name in (_labelled_bar(order, said, f'{label}: done') if show_progress else order):
+    for name in (labelled_bar(order, said, f'{label}: done') if show_progress else order):
         passes[name].append(time_loader(loaders[name](), max_batches=max_batches, warmup=warmup))
     for name,runs in passes.items():
         # memory from the first round, when the loaders timed so far were the only ones built (later rounds see them all)
@@ -197,14 +198,14 @@ def decode_only_loader(files, bs=128, device=None, num_threads=None, hw_decoder_
     return _RunEpochs(pipe, len(files)//bs)
 
 # %% ../../nbs/07a_bench_core.ipynb #c85270c8
-_RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
+ROW_RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 
-def _read_bytes(f): return Path(f).read_bytes()
+def read_file_bytes(f): return Path(f).read_bytes()
 
-def _nw(w): return f"{w} worker{'' if w == 1 else 's'}"
-_IDL = re.compile(r'^ImageDataLoaders train \((\d+) workers?\)$')
+def workers_name(w): return f"{w} worker{'' if w == 1 else 's'}"
+IDL_ROW_RE = re.compile(r'^ImageDataLoaders train \((\d+) workers?\)$')
 
 def fastest_workers(thr, default=None):
     "The worker count of `thr`'s (`bench_loaders` results) fastest `ImageDataLoaders train (N workers)` row; `default` where there is none"
-    timed = {int(m[1]): v['img_s'] for k,v in thr.items() if (m := _IDL.match(k))}
+    timed = {int(m[1]): v['img_s'] for k,v in thr.items() if (m := IDL_ROW_RE.match(k))}
     return max(timed, key=timed.get) if timed else default

@@ -9,10 +9,10 @@ import torch
 from ..core import *
 from ..demo import epoch_timeline
 from .core import *
-from .core import _RAW, _nw, _read_bytes
+from .core import ROW_RAW, workers_name, read_file_bytes
 
 # %% auto #0
-__all__ = ['augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown']
+__all__ = ['augment_steps', 'pixel_parity', 'mixed_workers', 'epochs_markdown', 'loader_sections']
 
 # %% ../../nbs/07c_bench_loaders.ipynb #5ef61d3c
 def augment_steps():
@@ -54,7 +54,7 @@ def mixed_workers(root, py_workers, bs=128, size=224, device=None, repeats=3, wa
                                    GrandparentSplitter, get_image_files)
     res = {}
     for w in py_workers:
-        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+        blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
                         splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats))
         t0 = time.perf_counter(); dl = blk.dali_dataloaders(root, bs=bs, device=device, py_workers=w).train
         next(iter(dl)); t = time.perf_counter()-t0
@@ -83,7 +83,7 @@ def _loader_rows(S, root, dls, kw, size, workers, gpu):
     bs,device,norm = kw['bs'],kw['device'],kw['batch_tfms']
     files = list(dls.train.items); labels = [dls.vocab.o2i[parent_label(o)] for o in files]
     raw = lambda: raw_dali_loader(files, labels, bs=bs, size=size, device=device, shuffle=True)
-    L,D = {_RAW: raw},dict(raw=raw, augs=[*aug_transforms(), norm])
+    L,D = {ROW_RAW: raw},dict(raw=raw, augs=[*aug_transforms(), norm])
     if 'throughput' in S:
         L['decode only (DALI)'] = lambda: decode_only_loader(files, bs=bs, device=device)
         if gpu: L['decode only (DALI, hw_decoder_load=1.0)'] = lambda: decode_only_loader(files, bs=bs, device=device, hw_decoder_load=1.0)
@@ -100,7 +100,7 @@ def _loader_rows(S, root, dls, kw, size, workers, gpu):
         dls_ex = DaliDataLoaders.from_folder(root, **kw, exact_resize_crop=True)
         L['DaliDataLoaders valid, exact_resize_crop=True'] = lambda: dls_ex.valid
     if 'mixed' in S:
-        D['py'] = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+        D['py'] = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
                             splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
     if 'augment' in S or (gpu and 'training' in S):  # fastbook's augmentation (the training section trains with it too)
         D['rrc'] = DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': RandomResizedCrop(size, min_scale=0.35), 'batch_tfms': D['augs']})
@@ -116,10 +116,10 @@ def _loader_rows(S, root, dls, kw, size, workers, gpu):
         for roi in (True, False): L[f'DaliDataLoaders train, RandomResizedCrop, roi_decode={roi}'] = (lambda d: lambda: d.train)(rrc[roi])
     D['idls'] = {w: ImageDataLoaders.from_folder(root, **kw, num_workers=w) for w in workers} if S & {'throughput', 'training'} else {}
     if 'throughput' in S:
-        for w in workers: L[f'ImageDataLoaders train ({_nw(w)})'] = (lambda d: lambda: d.train)(D['idls'][w])
+        for w in workers: L[f'ImageDataLoaders train ({workers_name(w)})'] = (lambda d: lambda: d.train)(D['idls'][w])
     return L,D
 
-def _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup):
+def loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup):
     "The loader sections into `res` (throughput, augment, mixed, augment-steps, mixed-workers); the loaders the training reuses"
     from fastai.vision.all import ImageDataLoaders
     from fastai_dali.data import DaliDataLoaders
@@ -130,15 +130,15 @@ def _loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repe
     W = res['imagedataloaders_workers'] = fastest_workers(thr, max(workers))
     if 'augment' in S:  # timed after the others, once that count is known; its ratio to the hand-written DALI row above
         idl_aug = ImageDataLoaders.from_folder(root, **{**kw, 'batch_tfms': D['augs']}, num_workers=W)
-        k = f'ImageDataLoaders train + aug_transforms() ({_nw(W)})'
+        k = f'ImageDataLoaders train + aug_transforms() ({workers_name(W)})'
         thr[k] = bench_loaders({k: lambda: idl_aug.train}, **T, label='timing')[k]
-        thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
+        thr[k]['ratio'] = thr[k]['img_s']/thr[ROW_RAW]['img_s']
     if 'mixed' in S:  # whole epochs, as the hand-written external_source is timed (a cut-short epoch drains its prefetched batches)
         k = 'DaliDataLoaders train, get_x -> bytes (external_source)'
         thr[k] = bench_loaders({k: lambda: D['py'].train}, repeats=repeats, warmup=warmup, show_progress=False)[k]
-        thr[k]['ratio'] = thr[k]['img_s']/thr[_RAW]['img_s']
+        thr[k]['ratio'] = thr[k]['img_s']/thr[ROW_RAW]['img_s']
         # what bounds it over whole epochs: each epoch's start (the reader reads ahead into the next epoch, the source not)
-        E = {f'{_RAW}, whole epochs': D['raw'], 'DaliDataLoaders train': lambda: dls.train, k: lambda: D['py'].train}
+        E = {f'{ROW_RAW}, whole epochs': D['raw'], 'DaliDataLoaders train': lambda: dls.train, k: lambda: D['py'].train}
         res['mixed_epochs'] = {n: epoch_timeline(f(), epochs=repeats+1)[1:] for n,f in E.items()}  # the first: a build
     res['throughput'] = thr
     show_markdown(results_markdown(thr))

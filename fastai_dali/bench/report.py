@@ -7,14 +7,14 @@ from __future__ import annotations
 import json, statistics
 from ..core import *
 from .core import *
-from .core import _RAW, _nw, _IDL
-from .training import _PHASES, _FAST, _GRAPHS, _PLAIN_ADAMW, _PLAIN_FUSED, _PLAIN_GRAPHS
+from .core import ROW_RAW, workers_name, IDL_ROW_RE
+from .training import TRACE_PHASES, ROW_FAST, ROW_GRAPHS, ROW_PLAIN_ADAMW, ROW_PLAIN_FUSED, ROW_PLAIN_GRAPHS
 from .loaders import epochs_markdown
-from .targets import _TLABELS, _TPOINTS, _TBOXES, _TCONTROL, _targets_title
+from .targets import ROW_LABELS, ROW_POINTS, ROW_BOXES, ROW_CONTROL, targets_title
 from .scale import scale_markdown
 
 # %% auto #0
-__all__ = ['GOALS', 'throughput_targets', 'goals_markdown']
+__all__ = ['GOALS', 'throughput_targets', 'goals_markdown', 'write_results']
 
 # %% ../../nbs/07h_bench_report.ipynb #ef297c19
 def _target(res, name, value, goal, why=''):
@@ -46,9 +46,9 @@ def throughput_targets(res, gpu, W=None):
     t,thr,dev = [],res['throughput'],'gpu' if gpu else 'cpu'
     g = lambda k: thr[k]['img_s'] if k in thr else None
     if W is None: W = fastest_workers(thr)
-    raw,idl = g(_RAW),g(f'ImageDataLoaders train ({_nw(W)})')
-    n_idl = sum(bool(_IDL.match(k)) for k in thr)
-    IDL = f'ImageDataLoaders ({_nw(W)}' + (f', its fastest of {n_idl} counts)' if n_idl > 1 else ')')
+    raw,idl = g(ROW_RAW),g(f'ImageDataLoaders train ({workers_name(W)})')
+    n_idl = sum(bool(IDL_ROW_RE.match(k)) for k in thr)
+    IDL = f'ImageDataLoaders ({workers_name(W)}' + (f', its fastest of {n_idl} counts)' if n_idl > 1 else ')')
     dec = max((v['img_s'] for k,v in thr.items() if k.startswith('decode only')), default=None)
     for split in ('train', 'valid'):
         if (v := g(f'DaliDataLoaders {split}')) is None: continue
@@ -75,17 +75,17 @@ def throughput_targets(res, gpu, W=None):
         if 'DaliDataLoaders, DeviceLossCallback' in f:
             _target(t, f'learn.fit {a}, DeviceLossCallback: DaliDataLoaders / model-only', f['DaliDataLoaders, DeviceLossCallback']/f['model only, DeviceLossCallback'], goal)
             _target(t, f'learn.fit {a}: DaliDataLoaders with DeviceLossCallback / without', f['DaliDataLoaders, DeviceLossCallback']/f['DaliDataLoaders'], GOALS['device_loss'])
-        if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
-            _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({_nw(W)})', f['DaliDataLoaders']/i, GOALS['fit_idl'])
+        if (i := f.get(f'ImageDataLoaders ({workers_name(W)})')) is not None:
+            _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({workers_name(W)})', f['DaliDataLoaders']/i, GOALS['fit_idl'])
         if (v := f.get('DaliDataLoaders, RandomResizedCrop + aug_transforms()')) is not None:
             _target(t, f'learn.fit {a}, RandomResizedCrop + aug_transforms(): DaliDataLoaders / model-only', v/f['model only (synthetic batches on the GPU)'], aug_goal)
         # the fast path, eager and with training batches as CUDA graphs, against the plain loop with the same optimizer
         # (fastai's Adam as torch's AdamW) on synthetic batches; the graphed row also like for like, against the plain
         # loop compiled the same way (mode 'reduce-overhead')
         fast_goal,fast_aug_goal = GOALS['fast'][a],GOALS['fast_aug'][a]
-        C = {'plain loop (AdamW, synthetic)': f.get(_PLAIN_ADAMW), 'plain loop (fused AdamW, CUDA graphs, synthetic)': f.get(_PLAIN_GRAPHS)}
-        for row,K,ceilings in ((_FAST, 'ForeachAdam + DeviceLossCallback', list(C)[:1]),
-                               (_GRAPHS, 'ForeachAdam + DeviceLossCallback + CudaGraphCallback', list(C))):
+        C = {'plain loop (AdamW, synthetic)': f.get(ROW_PLAIN_ADAMW), 'plain loop (fused AdamW, CUDA graphs, synthetic)': f.get(ROW_PLAIN_GRAPHS)}
+        for row,K,ceilings in ((ROW_FAST, 'ForeachAdam + DeviceLossCallback', list(C)[:1]),
+                               (ROW_GRAPHS, 'ForeachAdam + DeviceLossCallback + CudaGraphCallback', list(C))):
             if (v := f.get(row)) is None: continue
             for cn in ceilings:
                 if not (c := C[cn]): continue
@@ -94,8 +94,8 @@ def throughput_targets(res, gpu, W=None):
                     _target(t, f'learn.fit {a}, {K}, RandomResizedCrop + aug_transforms() / {cn}', r/c, fast_aug_goal)
             if a == 'resnet18':
                 _target(t, f'learn.fit {a}: {K} / fastai default (DaliDataLoaders)', v/f['DaliDataLoaders'], GOALS['fast_default'])
-                if (i := f.get(f'ImageDataLoaders ({_nw(W)})')) is not None:
-                    _target(t, f'learn.fit {a}: {K} / ImageDataLoaders ({_nw(W)})', v/i, GOALS['fast_idl'])
+                if (i := f.get(f'ImageDataLoaders ({workers_name(W)})')) is not None:
+                    _target(t, f'learn.fit {a}: {K} / ImageDataLoaders ({workers_name(W)})', v/i, GOALS['fast_idl'])
     if m := res.get('memory_over_epochs_mb'):
         _target(t, f'device memory flat over {len(m)} epochs (1 - growth/first)', 1 - (max(m)-m[0])/m[0], GOALS['memory'])
     if s := res.get('shards'):
@@ -110,12 +110,12 @@ def throughput_targets(res, gpu, W=None):
             _target(t, f'time to the first batch, {int(n):,} files: ImageDataLoaders / DaliDataLoaders.from_folder', i['total']/d['total'], GOALS['scale_time'])
             _target(t, f'peak host memory, {int(n):,} files: ImageDataLoaders / DaliDataLoaders.from_folder', i['peak_mb']/d['peak_mb'], GOALS['scale_memory'])
     for p,r in res.get('points_boxes', {}).items():  # each pipeline's rows with points, with boxes / with labels only
-        base = r[_TLABELS]
-        for k,name in ((_TPOINTS, 'points'), (_TBOXES, 'boxes')):
+        base = r[ROW_LABELS]
+        for k,name in ((ROW_POINTS, 'points'), (ROW_BOXES, 'boxes')):
             d = (r[k].get('decode'), base.get('decode'))  # (a window decode for labels only: not the targets' own cost)
             # (each round's ratio, their median: `bench_loaders`; the rows' medians apart drift with the machine)
             why = [f'{name}: images decoded {d[0]}, labels: {d[1]}'] if d[0] != d[1] else []
-            if _TCONTROL in r: why.append(f"the control (labels only, a second loader) / labels only: {r[_TCONTROL]['ratio']:.2f}")
+            if ROW_CONTROL in r: why.append(f"the control (labels only, a second loader) / labels only: {r[ROW_CONTROL]['ratio']:.2f}")
             _target(t, f'{name} / labels only (DaliDataLoaders train, {p}, whole epochs)', r[k].get('ratio', r[k]['img_s']/base['img_s']),
                     GOALS[f'targets_{name}'], '; '.join(why))
     return t
@@ -133,7 +133,7 @@ def goals_markdown(res):
                " the margins of the goals; the defaults (3 passes of 60 batches, thousands of images) give figures to compare.")
     return md
 
-def _write_results(res, out, mem_epochs):
+def write_results(res, out, mem_epochs):
     "bench.json, bench.md and bench.png in `out`"
     s,thr = res['settings'],res['throughput']
     (out/'bench.json').write_text(json.dumps(res, indent=2))
@@ -145,7 +145,7 @@ def _write_results(res, out, mem_epochs):
     if 'mixed_workers' in res:
         md += ['', '### Mixed sources per worker count (get_x -> bytes, whole epochs)', '',
                '| py_workers | start-up s | img/s | ratio to hand-written DALI |', '|---:|---:|---:|---:|']
-        md += [f"| {w} | {r['startup_s']:.1f} | {r['img_s']:,.0f} | {r['img_s']/thr[_RAW]['img_s']:.2f} |" for w,r in res['mixed_workers'].items()]
+        md += [f"| {w} | {r['startup_s']:.1f} | {r['img_s']:,.0f} | {r['img_s']/thr[ROW_RAW]['img_s']:.2f} |" for w,r in res['mixed_workers'].items()]
     if 'parity' in res:
         md += ['', '### Pixel parity, valid batches against ImageDataLoaders (|Δ| in 0-255 levels)', '',
                '| resize | mean | p99 | max | images |', '|---|---:|---:|---:|---:|']
@@ -156,13 +156,13 @@ def _write_results(res, out, mem_epochs):
                '', '| cold page cache, first epoch | files evicted | to first batch s | epoch img/s |', '|---|---:|---:|---:|']
         md += [f"| {k} | {v['files_evicted']} | {v['first_batch_s']:.2f} | {v['epoch_img_s']:,.0f} |" for k,v in sh['cold'].items()]
     for p,r in res.get('points_boxes', {}).items():
-        md += ['', results_markdown(r, _targets_title(p))]
+        md += ['', results_markdown(r, targets_title(p))]
     for n,rows in res.get('scale', {}).items():
         md += ['', f'### A million images: {int(n):,} JPEGs, a new process per row (ratios to ImageDataLoaders)', '', scale_markdown(rows)]
     if res.get('memory_over_epochs_mb'): md += ['', f"Device memory after each of {mem_epochs} epochs of `DaliDataLoaders` train (MiB): " + ', '.join(f'{o:,.0f}' for o in res['memory_over_epochs_mb'])]
     for a,f in res['fit_img_s'].items():
         runs = res.get('fit_runs', {}).get(a, {})
-        ceil = f.get(_PLAIN_FUSED)  # the ceiling: a plain loop, fastai's Adam as torch's fused AdamW, synthetic batches
+        ceil = f.get(ROW_PLAIN_FUSED)  # the ceiling: a plain loop, fastai's Adam as torch's fused AdamW, synthetic batches
         md += ['', f'### learn.fit, {a} (random init, bf16, channels_last), training img/s: median of the rounds (every row one epoch a round, after a warm-up epoch)',
                '', '| data | img/s | rounds: min - max |' + (' ÷ plain loop, fused AdamW |' if ceil else ''), '|---|---:|---:|' + ('---:|' if ceil else '')]
         md += [f"| {k} | {v:,.0f} | {f'{min(runs[k]):,.0f} - {max(runs[k]):,.0f}' if runs.get(k) else ''} |" + (f' {v/ceil:.2f} |' if ceil else '')
@@ -176,7 +176,7 @@ def _write_results(res, out, mem_epochs):
         md += [f"| {k} | {v['img_s']:,.0f} | {v['gpu_busy']:.2f} | {v['gpu_ms_per_batch']['dali']:.2f} | {v['gpu_ms_per_batch']['model and the rest']:.2f} "
                f"| {v['host_syncs_per_batch']:.1f} | {v['host_sync_ms_per_batch']:.2f} | {v['cpu_ms_per_batch']['fastai batch']:.2f} "
                f"| {v['cpu_ms_per_batch']['between batches (loader, callbacks)']:.2f} |" for k,v in res['fit_trace'].items() if v]
-        ph = [p for p in _PHASES.values() if any(p in v.get('cpu_ms_per_batch', {}) for v in res['fit_trace'].values())]
+        ph = [p for p in TRACE_PHASES.values() if any(p in v.get('cpu_ms_per_batch', {}) for v in res['fit_trace'].values())]
         if ph:  # where the main thread's time goes (the host's launches and waits, not the GPU's work)
             md += ['', '| run: main thread ms per batch | ' + ' | '.join(ph) + ' | between batches |', '|---|' + '---:|'*(len(ph)+1)]
             md += [f"| {k} | " + ' | '.join(f"{v['cpu_ms_per_batch'].get(p, 0):.2f}" for p in ph)

@@ -9,10 +9,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from fastcore.basics import noop
 from .core import *
-from .core import _read_bytes
+from .core import read_file_bytes
 
 # %% auto #0
-__all__ = ['SCALE_KINDS', 'make_scale_folder', 'scale_one', 'scale_rows', 'scale_markdown', 'default_scale_n']
+__all__ = ['SCALE_KINDS', 'make_scale_folder', 'scale_one', 'scale_process', 'scale_rows', 'scale_markdown', 'default_scale_n',
+           'scale_section']
 
 # %% ../../nbs/07g_bench_scale.ipynb #6feb5993
 def _write_class(job):
@@ -75,7 +76,7 @@ def _loaders(kind, root, device, workers, bs):
         return DaliDataLoaders.from_shards(sh/'train', sh/'valid', device=device, **kw)
     if kind == 'mixed':
         from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, get_image_files, parent_label, GrandparentSplitter
-        return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=_read_bytes, get_y=parent_label,
+        return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
                          splitter=GrandparentSplitter(valid_name='valid'), item_tfms=kw['item_tfms'],
                          batch_tfms=kw['batch_tfms']).dali_dataloaders(root, bs=bs, device=device)
     return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw)
@@ -103,7 +104,7 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None):
     return dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
                 children_mb=mb(resource.RUSAGE_CHILDREN), items=n, vocab=vocab)
 
-def _one_process(kind, root, **kw):
+def scale_process(kind, root, **kw):
     "`scale_one` as a new process runs it: its figures as a JSON line, then out without the loaders' teardown (not timed)"
     print(json.dumps(scale_one(kind, root, **kw)), flush=True)
     import multiprocessing
@@ -127,7 +128,7 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
             if kind == 'from_shards (indexing)':   # (each repeat indexes them again)
                 for f in Path(f'{root}_shards').glob('*/*.idx*'): f.unlink()
             args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace)))
-            code = f"import json; from fastai_dali.bench.scale import _one_process; _one_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
+            code = f"import json; from fastai_dali.bench.scale import scale_process; scale_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
             out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)
             if line is None: raise RuntimeError(f'the scale row {kind!r} failed:\n{out.stderr[-3000:]}')
@@ -147,7 +148,7 @@ def scale_markdown(rows, title=''):
 # %% ../../nbs/07g_bench_scale.ipynb #19dcb36e
 def default_scale_n(gpu): return 1_280_000 if gpu else 200_000
 
-def _scale_section(res, ns, classes=1000, device='cpu', workers=0, bs=256, repeats=1, shards=None, mixed=False, root=None, trace=None):
+def scale_section(res, ns, classes=1000, device='cpu', workers=0, bs=256, repeats=1, shards=None, mixed=False, root=None, trace=None):
     "The `scale` rows for each folder size in `ns` into `res['scale']` ({n: rows}), printed as they come"
     kinds = SCALE_KINDS[:4] + (('mixed',) if mixed else ()) + (SCALE_KINDS[5:] if shards else ())
     r = res['scale'] = {}

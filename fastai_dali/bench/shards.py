@@ -10,10 +10,10 @@ import torch
 from ..core import *
 from ..demo import epoch_timeline
 from .core import *
-from .core import _nw
+from .core import workers_name
 
 # %% auto #0
-__all__ = ['webdataset_loader', 'evict_page_cache']
+__all__ = ['webdataset_loader', 'evict_page_cache', 'shards_section']
 
 # %% ../../nbs/07e_bench_shards.ipynb #c029s
 def webdataset_loader(tars, bs=128, size=224, workers=16, device=None):
@@ -41,7 +41,7 @@ def evict_page_cache(paths):
             finally: os.close(fd)
     return n
 
-def _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
+def shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
     "Folder against shards of the same JPEGs, whole epochs (warm, then cold), the pixels of both, and the webdataset peer, into `res['shards']`"
     from fastai_dali.data import DaliDataLoaders
     from fastai_dali.shards import write_shards, shard_paths
@@ -53,7 +53,7 @@ def _shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
                      DaliDataLoaders.from_shards(sdir/'train', valid=sdir/'valid', **kw))
     W = max(workers)
     L = {'DaliDataLoaders train, folder': lambda: folder.train, 'DaliDataLoaders train, shards': lambda: shards.train,
-         f'webdataset + DataLoader ({_nw(W)}) + PIL': lambda: webdataset_loader(shard_paths(sdir/'train'), kw['bs'], size, W, kw['device'])}
+         f'webdataset + DataLoader ({workers_name(W)}) + PIL': lambda: webdataset_loader(shard_paths(sdir/'train'), kw['bs'], size, W, kw['device'])}
     r = res['shards'] = dict(per_shard=per, n_tars=len(shard_paths(sdir/'train')), warm=bench_loaders(L, repeats=repeats, warmup=warmup,
                                                                                                        label='timing whole epochs'))
     show_markdown(results_markdown(r['warm']))

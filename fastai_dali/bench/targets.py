@@ -10,7 +10,8 @@ from ..core import *
 from .core import *
 
 # %% auto #0
-__all__ = ['bench_points', 'bench_boxes', 'bench_box_labels', 'target_blocks']
+__all__ = ['ROW_LABELS', 'ROW_POINTS', 'ROW_BOXES', 'ROW_CONTROL', 'bench_points', 'bench_boxes', 'bench_box_labels',
+           'target_blocks', 'targets_title', 'targets_section']
 
 # %% ../../nbs/07f_bench_targets.ipynb #c029t
 import random, zlib
@@ -37,10 +38,10 @@ def bench_box_labels(f):
     "`BBoxLblBlock`'s `get_y` of the `targets` section: the class of file `f` (its folder) for each of `bench_boxes(f)`"
     return [parent_label(f)]*len(bench_boxes(f))
 
-_TLABELS = 'DaliDataLoaders train, labels only (CategoryBlock)'
-_TPOINTS = 'DaliDataLoaders train, 5 points an image (PointBlock)'
-_TBOXES = 'DaliDataLoaders train, 1-4 boxes an image (BBoxBlock + BBoxLblBlock, bb_pad)'
-_TCONTROL = 'DaliDataLoaders train, labels only, a second loader (the control: a ratio with no difference behind it)'
+ROW_LABELS = 'DaliDataLoaders train, labels only (CategoryBlock)'
+ROW_POINTS = 'DaliDataLoaders train, 5 points an image (PointBlock)'
+ROW_BOXES = 'DaliDataLoaders train, 1-4 boxes an image (BBoxBlock + BBoxLblBlock, bb_pad)'
+ROW_CONTROL = 'DaliDataLoaders train, labels only, a second loader (the control: a ratio with no difference behind it)'
 
 def target_blocks(item_tfms=None, batch_tfms=None):
     "`DataBlock`s of an ImageNet-style folder (train/, valid/) with the same `item_tfms` and `batch_tfms`: labels only (the reference), 5 points an image, 1-4 boxes an image with their labels"
@@ -48,17 +49,17 @@ def target_blocks(item_tfms=None, batch_tfms=None):
                                    GrandparentSplitter)
     import fastai_dali.data  # (gives `DataBlock` its `dali_dataloaders`)
     kw = dict(get_items=get_image_files, splitter=GrandparentSplitter(), item_tfms=item_tfms, batch_tfms=batch_tfms)
-    return {_TLABELS: DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=parent_label, **kw),
-            _TPOINTS: DataBlock(blocks=(ImageBlock, PointBlock), get_y=bench_points, **kw),
-            _TBOXES: DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), n_inp=1, get_y=[bench_boxes, bench_box_labels], **kw)}
+    return {ROW_LABELS: DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=parent_label, **kw),
+            ROW_POINTS: DataBlock(blocks=(ImageBlock, PointBlock), get_y=bench_points, **kw),
+            ROW_BOXES: DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), n_inp=1, get_y=[bench_boxes, bench_box_labels], **kw)}
 
 def _decodes(dl):
     "How `dl`'s pipeline decodes its images: 'a window' where its first step decodes only a crop window (`image_slice`), else 'whole'"
     return 'a window' if any('image_slice' in str(o) for o in dl.dali_report().detail) else 'whole'
 
-def _targets_title(p): return f'Points and boxes targets, {p}: whole epochs (ratio to labels only: first row)'
+def targets_title(p): return f'Points and boxes targets, {p}: whole epochs (ratio to labels only: first row)'
 
-def _targets_section(res, root, kw, size, repeats, warmup, aug=True):
+def targets_section(res, root, kw, size, repeats, warmup, aug=True):
     "Whole epochs of `DaliDataLoaders` train of `target_blocks` with `kw`'s transforms, and with `RandomResizedCrop` + `aug_transforms()` (`aug`), into `res['points_boxes']`"
     from fastai.vision.all import RandomResizedCrop, aug_transforms
     P = {'Resize': (kw['item_tfms'], kw['batch_tfms'])}
@@ -67,11 +68,11 @@ def _targets_section(res, root, kw, size, repeats, warmup, aug=True):
     for p,(it,bt) in P.items():
         blocks = target_blocks(it, bt)
         # the control: labels only once more, built last, timed as the others (how far from 1 a ratio strays by chance)
-        dls = {k: b.dali_dataloaders(root, bs=kw['bs'], device=kw['device']) for k,b in {**blocks, _TCONTROL: blocks[_TLABELS]}.items()}
+        dls = {k: b.dali_dataloaders(root, bs=kw['bs'], device=kw['device']) for k,b in {**blocks, ROW_CONTROL: blocks[ROW_LABELS]}.items()}
         # in rounds, every row once a round (`bench_loaders`): the ratios to labels only measured side by side
         r[p] = bench_loaders({k: (lambda d: lambda: d.train)(d) for k,d in dls.items()}, repeats=repeats, warmup=warmup,
                              label=f'timing whole epochs, {p}')
         for k,d in dls.items(): r[p][k]['decode'] = _decodes(d.train)
-        show_markdown(results_markdown(r[p], _targets_title(p)))
+        show_markdown(results_markdown(r[p], targets_title(p)))
         del dls; gc.collect()
     return r

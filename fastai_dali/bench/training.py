@@ -8,20 +8,21 @@ import json, time, statistics, gc, os, re, sys, tempfile
 from pathlib import Path
 import torch
 from ..demo import cuda_sync, gpu_memory_mb, train_timer
-from .core import _nw, _labelled_bar
+from .core import workers_name, labelled_bar
 
 # %% auto #0
-__all__ = ['SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs',
+__all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_PLAIN_GRAPHS', 'TRACE_PHASES', 'SyntheticDL',
+           'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs',
            'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto',
-           'trace_summary', 'fit_trace', 'memory_over_epochs']
+           'trace_summary', 'fit_trace', 'memory_over_epochs', 'training_section', 'trace_section']
 
 # %% ../../nbs/07d_bench_training.ipynb #abb17651
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
-_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
-_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
-_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
-_GRAPHS = f'{_FAST}, CudaGraphCallback'  # the fast path with training batches as CUDA graphs
-_PLAIN_GRAPHS = f'{_PLAIN_FUSED}, CUDA graphs'  # its like-for-like ceiling: the plain loop compiled as it compiles the model
+ROW_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
+ROW_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
+ROW_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
+ROW_GRAPHS = f'{ROW_FAST}, CudaGraphCallback'  # the fast path with training batches as CUDA graphs
+ROW_PLAIN_GRAPHS = f'{ROW_PLAIN_FUSED}, CUDA graphs'  # its like-for-like ceiling: the plain loop compiled as it compiles the model
 
 # %% ../../nbs/07d_bench_training.ipynb #c019
 import contextlib
@@ -140,7 +141,7 @@ def fit_rounds(rows:dict, epochs=3, label=None):
     # first each row's warm-up epoch (round None: cudnn's choice of kernels, the loader's first pipeline), then the rounds
     plan = [(None, k) for k in ks] + [(r, k) for r in range(max(1, epochs-1)) for k in ks[r % len(ks):] + ks[:r % len(ks)]]
     said = [f"{label} {'warm-up' if r is None else f'{r+1}/{max(1, epochs-1)}'}: {k}" for r,k in plan]
-    for r,k in (plan if label is None else _labelled_bar(plan, said, f'{label}: done')):
+    for r,k in (plan if label is None else labelled_bar(plan, said, f'{label}: done')):
         v = eps[k]()
         if r is not None: runs[k].append(v)
     return {k: float(statistics.median(v)) for k,v in runs.items()},runs
@@ -176,11 +177,11 @@ from fastai.callback.core import CancelFitException
 # a fastai batch's phases, each from its event (this callback last at every event) to the next: the host's time in the
 # model's forward launches, the loss, backward, the optimizer's step, and zero_grad with every after_batch callback
 # (the Recorder's, a host sync each batch without `DeviceLossCallback`); each includes the callbacks of the event ending it
-_PHASES = {'before_batch': 'forward', 'after_pred': 'loss', 'after_loss': 'backward', 'after_backward': 'optimizer step',
+TRACE_PHASES = {'before_batch': 'forward', 'after_pred': 'loss', 'after_loss': 'backward', 'after_backward': 'optimizer step',
            'after_step': 'zero_grad, after_batch callbacks'}
 
 class _TraceBatches(Callback):
-    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and its phases (`_PHASES`), the time between two, and when the GPU finished the last"
+    "Profile training batches `start`..`start+n` (torch.profiler `prof`), marking each batch and its phases (`TRACE_PHASES`), the time between two, and when the GPU finished the last"
     order = 101  # after every other callback's `before_batch`, and last in `after_batch`
     def __init__(self, prof, start, n):
         self.tr_prof,self.tr_start,self.tr_n,self.tr_i,self.tr_rf,self.tr_ph,self.tr_on = prof,start,n,0,None,None,False
@@ -193,7 +194,7 @@ class _TraceBatches(Callback):
     def _mark(self, name): self._enter('tr_rf', name)
     def _in_window(self): return self.training and self.tr_start <= self.tr_i < self.tr_start+self.tr_n
     def _phase(self, event):
-        if self._in_window(): self._enter('tr_ph', _PHASES[event])
+        if self._in_window(): self._enter('tr_ph', TRACE_PHASES[event])
     def before_batch(self):
         if not self.training: return
         if self.tr_i >= self.tr_start and not self.tr_on:  # (`>=`: a batch another callback cancelled is not counted)
@@ -259,7 +260,7 @@ def trace_summary(events, bs):
             'host_syncs_per_batch': len(syncs)/n, 'host_sync_ms_per_batch': per(syncs),
             'sync_calls': sorted({e['name'] for e in syncs}),
             'cpu_ms_per_batch': {'fastai batch': per(batches),
-                                 **{p: per([e for e in marks if e['name'] == p]) for p in _PHASES.values()},
+                                 **{p: per([e for e in marks if e['name'] == p]) for p in TRACE_PHASES.values()},
                                  'between batches (loader, callbacks)': per(between)}}
 
 def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, channels_last=True, model=None, opt_func=None):
@@ -294,29 +295,29 @@ def _training_rows(dls, syn, sdl, D, dls_ld, W, compiled):
     P = lambda d, opt, graphs=False: dict(d=d, torch=opt, graphs=graphs)
     F = lambda d, fast=False, loss=False, bar=False, compile=None: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile)
     rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls),
-            f'ImageDataLoaders ({_nw(W)})': F(D['idls'][W]),
+            f'ImageDataLoaders ({workers_name(W)})': F(D['idls'][W]),
             'plain PyTorch loop, synthetic batches': P(sdl, 'sgd'), 'plain PyTorch loop, DaliDataLoaders': P(dls.train, 'sgd'),
-            _PLAIN_ADAMW: P(sdl, 'adamw'), _PLAIN_FUSED: P(sdl, 'adamw_fused'),
+            ROW_PLAIN_ADAMW: P(sdl, 'adamw'), ROW_PLAIN_FUSED: P(sdl, 'adamw_fused'),
             'plain PyTorch loop, DaliDataLoaders, fused AdamW': P(dls.train, 'adamw_fused'),
             'model only, DeviceLossCallback': F(syn, loss=True), 'DaliDataLoaders, DeviceLossCallback': F(dls, loss=True),
-            **{f'{_FAST}, {s}': F(d, fast=True, loss=True) for s,d in dls_ld.items()},
+            **{f'{ROW_FAST}, {s}': F(d, fast=True, loss=True) for s,d in dls_ld.items()},
             'DaliDataLoaders, RandomResizedCrop + aug_transforms()': F(D['rrc']),
             'model only, ForeachAdam, DeviceLossCallback': F(syn, fast=True, loss=True),
             'DaliDataLoaders, ForeachAdam': F(dls, fast=True),
-            _FAST: F(dls, fast=True, loss=True), f'{_FAST}, progress bar': F(dls, fast=True, loss=True, bar=True),
-            f'{_FAST}, RandomResizedCrop + aug_transforms()': F(D['rrc'], fast=True, loss=True)}
+            ROW_FAST: F(dls, fast=True, loss=True), f'{ROW_FAST}, progress bar': F(dls, fast=True, loss=True, bar=True),
+            f'{ROW_FAST}, RandomResizedCrop + aug_transforms()': F(D['rrc'], fast=True, loss=True)}
     if compiled:  # the model `torch.compile`d (its first epoch, the compilation, timed apart)
         # mode 'max-autotune-no-cudagraphs' is left out: on the H200 (2026-12-02) its resnet18 compilation took 264 s
         # for 7,105 img/s against eager's 6,012 (rounds 5,023-7,002), and resnet50's did not end within 9 minutes
         G = lambda d: F(d, fast=True, loss=True, compile='reduce-overhead')
-        rows.update({f'{_FAST}, torch.compile (default)': F(dls, fast=True, loss=True, compile='default'),
-                     _PLAIN_GRAPHS: P(sdl, 'adamw_fused', graphs=True),
+        rows.update({f'{ROW_FAST}, torch.compile (default)': F(dls, fast=True, loss=True, compile='default'),
+                     ROW_PLAIN_GRAPHS: P(sdl, 'adamw_fused', graphs=True),
                      'plain PyTorch loop, DaliDataLoaders, fused AdamW, CUDA graphs': P(dls.train, 'adamw_fused', graphs=True),
-                     'model only, ForeachAdam, DeviceLossCallback, CudaGraphCallback': G(syn), _GRAPHS: G(dls),
-                     f'{_GRAPHS}, RandomResizedCrop + aug_transforms()': G(D['rrc'])})
+                     'model only, ForeachAdam, DeviceLossCallback, CudaGraphCallback': G(syn), ROW_GRAPHS: G(dls),
+                     f'{ROW_GRAPHS}, RandomResizedCrop + aug_transforms()': G(D['rrc'])})
     return rows
 
-def _training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
+def training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
     "`learn.fit` img/s of every row for each of `archs` into `res` (`fit_img_s`, every timed epoch in `fit_runs`, `compile_s`)"
     from fastai.vision.all import models
     from fastai_dali.data import DaliDataLoaders
@@ -349,7 +350,7 @@ def _training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
         print(a, {k: round(v) for k,v in fit[a].items()}, flush=True)
     res['fit_img_s'],res['fit_runs'] = fit,fit_runs  # medians, and every timed epoch
 
-def _trace_section(res, archs, dls, kw, size, out):
+def trace_section(res, archs, dls, kw, size, out):
     "The timeline of 20 training batches of each arch, DaliDataLoaders and model-only, into `res['fit_trace']`"
     from fastai.vision.all import models
     from fastai_dali.training import DeviceLossCallback
@@ -361,7 +362,7 @@ def _trace_section(res, archs, dls, kw, size, out):
         syn = DataLoaders(sdl, sdl)
         for k,(d,cbs,of) in {'DaliDataLoaders': (dls, [], None), 'DaliDataLoaders, DeviceLossCallback': (dls, [DeviceLossCallback()], None),
                              'model only': (syn, [], None), 'model only, DeviceLossCallback': (syn, [DeviceLossCallback()], None),
-                             _FAST: (dls, [DeviceLossCallback()], ForeachAdam),
+                             ROW_FAST: (dls, [DeviceLossCallback()], ForeachAdam),
                              'model only, ForeachAdam, DeviceLossCallback': (syn, [DeviceLossCallback()], ForeachAdam)}.items():
             fname = out/f"trace_{a}_{k.replace(', ', '_')}.json.gz" if a == archs[0] and k.startswith('Dali') else None
             tr[f'{a}: {k}'] = fit_trace(d, arch, dls.c, cbs=cbs, fname=fname, opt_func=of)
