@@ -4,11 +4,10 @@
 
 # %% ../nbs/03d_sources.ipynb #c002
 from __future__ import annotations
-import ast, os, struct, sys, tempfile, traceback, warnings, weakref
+import ast, io, os, struct, sys, tempfile, traceback, warnings, weakref
 import numpy as np
 from multiprocessing import shared_memory
 from multiprocessing.util import Finalize
-import io
 from fastcore.basics import *
 
 # %% auto #0
@@ -144,8 +143,8 @@ class ShardSource:
 
 # %% ../nbs/03d_sources.ipynb #c008
 class EpochSource(_PickledInFile):
-    "Per-batch `external_source` callback: the batch's encoded images (`pack_bytes`), their lengths and their items' indices"
-    def __init__(self, src:PythonSource, n_serve:int, bs:int, order=None, seed:int=0, flag:EpochFlag=None, share=None):
+    "Per-batch `external_source` callback: the batch's encoded images (`pack_bytes`) of `src` (a `PythonSource`, or a `ShardSource`), their lengths and their items' indices"
+    def __init__(self, src, n_serve:int, bs:int, order=None, seed:int=0, flag:EpochFlag=None, share=None):
         # `share(order, seed)`: this shard's part of an epoch's permutation, when several shards (processes) share it
         store_attr(); self._epoch,self._perm = None,None
         if order is not None: self.order = np.asarray(order, dtype=np.int64)  # once: `items` indexes it every batch
