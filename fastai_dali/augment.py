@@ -17,7 +17,7 @@ from nvidia.dali import fn, types
 import nvidia.dali.math as dmath
 
 # %% auto #0
-__all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'np_affine_mat', 'warp_homography',
+__all__ = ['affine_draws', 'dihedral_pixel_mat', 'DihedralParams', 'NpCropPad', 'np_affine_mat', 'np_inv3', 'warp_homography',
            'AffineParams', 'WarpPoints', 'LightingParams', 'HueParams', 'hue_shift', 'ErasingParams']
 
 # %% ../nbs/01b_augment.ipynb #c005
@@ -192,10 +192,19 @@ class _Draws:
         return np.full_like(c, c[0]) if batch else c
 
 def np_affine_mat(*ms):
-    "(B,3,3) matrices from six (B,) rows, as fastai's `affine_mat`"
-    B = max(np.size(m) for m in ms)
-    ms = [np.broadcast_to(np.asarray(m, dtype=np.float64), (B,)) for m in ms]
-    return np.stack([np.stack(ms[:3], -1), np.stack(ms[3:], -1), np.broadcast_to([0.,0.,1.], (B,3))], 1)
+    "(B,3,3) matrices from six (B,) rows (or numbers), as fastai's `affine_mat`"
+    # (a few whole-array operations a batch: this runs under the GIL, in DALI's Python operator and in the loader's thread)
+    m = np.zeros((max(np.size(v) for v in ms),3,3))
+    for i,v in enumerate(ms): m[:,i//3,i%3] = v
+    m[:,2,2] = 1.
+    return m
+
+def np_inv3(m):
+    "Inverses of (B,3,3) matrices `m`: their adjugates over their determinants, a few whole-array operations (`np.linalg.inv` takes twice as long on a batch)"
+    (a,b,c),(d,e,f),(g,h,i) = np.moveaxis(m, (-2,-1), (0,1))
+    A,B,C = e*i - f*h,f*g - d*i,d*h - e*g
+    inv = np.stack([A, c*h - b*i, b*f - c*e, B, a*i - c*g, c*d - a*f, C, b*g - a*h, a*e - b*d], -1).reshape(m.shape)
+    return inv/(a*A + b*B + c*C)[..., None, None]
 
 # %% ../nbs/01b_augment.ipynb #c019
 affine_draws = {}  # fastai matrix function -> (number of draws, f(draw, **kwargs) -> (B,3,3))
@@ -227,17 +236,14 @@ affine_draws[dihedral_mat] = (2, _dihedral)
 # %% ../nbs/01b_augment.ipynb #c021
 def warp_homography(x, y):
     "(B,3,3) homographies of fastai's `_WarpCoord` for corner moves `x`, `y` (B,)"
-    orig = np.array([[-1,-1], [-1,1], [1,-1], [1,1]], dtype=np.float64)
-    targ = np.stack([np.stack([-1-y, -1-x], -1), np.stack([-1+y, 1+x], -1),
-                     np.stack([ 1+y, -1+x], -1), np.stack([ 1-y, 1-x], -1)], 1)   # (B,4,2)
-    B,o,z = len(x),np.ones(len(x)),np.zeros(len(x))
-    rows = []
-    for i in range(4):  # fastai's `find_coeffs(orig, targ)`: maps the target points to the original ones
-        (tx,ty),(ox,oy) = targ[:,i].T,orig[i]
-        rows += [np.stack([tx, ty, o, z, z, z, -ox*tx, -ox*ty], -1), np.stack([z, z, z, tx, ty, o, -oy*tx, -oy*ty], -1)]
-    A,b = np.stack(rows, 1),np.broadcast_to(orig.reshape(8), (B,8))
-    c = np.linalg.solve(A, b[...,None])[...,0]
-    return np.concatenate([c, np.ones((B,1))], 1).reshape(B,3,3)
+    # fastai solves `find_coeffs(orig, targ)` (the map of the moved corners `targ` to the square's `orig`) for each
+    # sample; for its corners' moves, (-1-y, -1-x), (-1+y, 1+x), (1+y, -1+x), (1-y, 1-x), the solution is this closed form
+    # (solved symbolically; the test below compares it with fastai's `find_coeffs` itself)
+    x,y = np.asarray(x, dtype=np.float64),np.asarray(y, dtype=np.float64)
+    x2,y2 = x*x,y*y
+    d = x2 + y2 - 1.   # (|x|, |y| <= fastai's magnitude < 1: never 0)
+    s,u,v,o = -2.*x*y/d,-x*(x2 - y2 - 1.)/d,y*(x2 - y2 + 1.)/d,np.ones_like(x)
+    return np.stack([o, s, u, s, o, v, u, v, o], -1).reshape(len(x),3,3)
 
 def _warp_draws(d, w):
     kx,x,ky,y = d(w.batch) < w.p, d(w.batch), d(w.batch) < w.p, d(w.batch)
@@ -250,6 +256,12 @@ def _norm_to_pix(W, H, align_corners):
     W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
     sx,sy = ((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)
     return np_affine_mat(sx, 0, (W-1)/2, 0, sy, (H-1)/2)
+
+def _pix_to_norm(W, H, align_corners):
+    "The inverse of `_norm_to_pix`"
+    W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
+    sx,sy = ((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)
+    return np_affine_mat(1/sx, 0, -(W-1)/2/sx, 0, 1/sy, -(H-1)/2/sy)
 
 class AffineParams:
     "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; the points' maps of the same draws: `point_maps` (`WarpPoints`)"
@@ -275,14 +287,14 @@ class AffineParams:
         B,m = len(u),(self.normalized(u, H, W) if m is None else m)
         oh,ow = (H,W) if self.size is None else (np.full(B, self.size[0]), np.full(B, self.size[1]))
         # (whole batches: this runs in DALI's Python operator, which holds the GIL the loader's own thread needs)
-        return _norm_to_pix(W, H, self.align) @ m @ np.linalg.inv(_norm_to_pix(ow, oh, self.align))
+        return _norm_to_pix(W, H, self.align) @ m @ _pix_to_norm(ow, oh, self.align)
 
     def point_maps(self, u, H, W):
         "(B,3,3) fastai's maps of points in [-1, 1] (input -> output: the inverse of its grid's map, as `TensorPoint.affine_coord`) for the draws and sizes of `normalized`"
-        return np.linalg.inv(self.normalized(u, H, W))
+        return np_inv3(self.normalized(u, H, W))
 
     def __call__(self, us, shapes):
-        sh = np.stack([np.asarray(s[:2], dtype=np.float64) for s in shapes])
+        sh = np.stack(shapes)[:, :2].astype(np.float64)
         u = np.stack(us) if self.n_draws else np.zeros((len(us),0))
         return list(self.matrices(u, sh[:,0], sh[:,1]).astype(np.float32))
 

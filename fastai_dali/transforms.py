@@ -118,7 +118,9 @@ class PointMap:
     def numpy(self, n=None):
         "The 2x3 matrix (numbers only), or (`n` samples) the (n,2,3) matrices"
         if n is None: return np.array(self.m, dtype=np.float64).reshape(2,3)
-        return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), (n,)) for v in self.m], -1).reshape(n,2,3)
+        m = np.empty((n,6))
+        for i,v in enumerate(self.m): m[:,i] = v
+        return m.reshape(n,2,3)
 
 def hw_of(v):
     "Height and width from a size's value (`DaliGraph.size`): `(h, w)` numbers, or an (n,k) array whose first columns are h, w"
