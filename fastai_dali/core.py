@@ -4,14 +4,14 @@
 
 # %% ../nbs/00_core.ipynb #c003
 from __future__ import annotations
-import os, warnings
+import os, warnings, gc, threading, contextlib
 from importlib import metadata
 import torch
 from fastcore.basics import *
 from fastai.torch_core import default_device
 
 # %% auto #0
-__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads', 'derive_seed']
+__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads', 'derive_seed', 'gc_paused']
 
 # %% ../nbs/00_core.ipynb #c004
 _DALI_WHEELS = ('nvidia-dali-cuda120', 'nvidia-dali-cuda130', 'nvidia-dali-cuda110', 'nvidia-dali-nightly-cuda120',
@@ -69,3 +69,18 @@ def default_num_threads():
 def derive_seed(seed:int, k:int):
     "The `k`-th seed derived from `seed` (shard `k`'s augmentations, a graph's `k`-th random op): a DALI seed in [0, 2**31-1)"
     return (seed*1_000_003 + k*7_919) % (2**31-1)
+
+# %% ../nbs/00_core.ipynb #881f2c7c
+class gc_paused(contextlib.ContextDecorator):
+    "Python's cyclic garbage collector held off within it (a context manager or a decorator), resumed after the outermost one if it ran before"
+    _lock,_depth,_was = threading.Lock(),0,False
+    def __enter__(self):
+        with gc_paused._lock:
+            if gc_paused._depth == 0: gc_paused._was = gc.isenabled()
+            gc_paused._depth += 1
+            gc.disable()
+        return self
+    def __exit__(self, *exc):
+        with gc_paused._lock:
+            gc_paused._depth -= 1
+            if gc_paused._depth == 0 and gc_paused._was: gc.enable()

@@ -88,6 +88,7 @@ class DaliDataLoaders(DataLoaders):
     "A `DataLoaders` of `DaliDL`s, with `ImageDataLoaders`' factories"
     @classmethod
     @delegates(DataLoaders.from_dblock)
+    @gc_paused()   # (a million items: see `gc_paused`, 00_core)
     def from_dblock(cls, dblock:DataBlock, source, path='.', bs:int=64, val_bs:int=None, shuffle:bool=True,
                     device=None, on_error:str='raise', **kwargs):
         "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out"
@@ -142,6 +143,7 @@ class GivenSplits:
 
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
+@gc_paused()
 def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_pct=None, seed=None, vocab=None,
                 item_tfms=None, batch_tfms=None, img_cls=PILImage, **kwargs):
     "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`)"

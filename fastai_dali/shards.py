@@ -267,6 +267,7 @@ def _check_labels(items, get_y, vocab, multi_label):
 
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
+@gc_paused()   # (indexing a million samples: see `gc_paused`, 00_core)
 def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, seed:int=None, label='cls', get_y=None,
                 vocab=None, multi_label:bool=None, item_tfms=None, batch_tfms=None, cache_dir=None, on_error='raise',
                 path='.', **kwargs):
