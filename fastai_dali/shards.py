@@ -157,7 +157,8 @@ class ShardIndex:
             p = line.split()
             if not p: continue
             key = p[3][:-len(p[0])-1]
-            samples[key] = {p[j]: (int(p[j+1]), int(p[j+2])) for j in range(0, len(p), 4)}
+            if len(p) == 8: samples[key] = {p[0]: (int(p[1]), int(p[2])), p[4]: (int(p[5]), int(p[6]))}   # (an image and its label: most shards)
+            else: samples[key] = {p[j]: (int(p[j+1]), int(p[j+2])) for j in range(0, len(p), 4)}
         if len(samples) != meta['samples']: return None
         return cls(str(tar), samples, meta['texts'], st.st_size, st.st_mtime_ns)
 
@@ -207,7 +208,8 @@ def shard_indexes(paths, cache_dir=None, num_threads:int=None):
 
 # %% ../nbs/04d_shards.ipynb #c014
 def _image_ext(members):
-    return next((e for e in IMAGE_EXTS if e in members), None)
+    for e in IMAGE_EXTS:
+        if e in members: return e
 
 def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls'):
     "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
@@ -227,10 +229,20 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
     return L(res)
 
 # %% ../nbs/04d_shards.ipynb #c016
+_MISSING = object()
+
 class ShardLabel:
     "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed; its text read by `shard_samples`), through `get_y`, or named by `names` (a `.cls` index)"
-    def __init__(self, label='cls', get_y=None, names=None): store_attr(store_args=False)
+    def __init__(self, label='cls', get_y=None, names=None):
+        store_attr(store_args=False)
+        self._memo = {}   # label text -> value, without a `get_y` (a million samples share a thousand labels)
+    def __getstate__(self): return {**self.__dict__, '_memo': {}}
     def __call__(self, s):
+        if self.get_y is None and s.label_ext == self.label and (v := self._memo.get(s.label, _MISSING)) is not _MISSING: return v
+        v = self._value(s)
+        if self.get_y is None: self._memo[s.label] = v
+        return v
+    def _value(self, s):
         if s.label_ext != self.label:
             raise ValueError(f"{s.tar}: sample {s.key!r} was read with its .{s.label_ext} member as its label, and these loaders "
                              f"label with .{self.label}: read it with `shard_samples(paths, label={self.label!r})`")
@@ -253,6 +265,7 @@ def _vocab_file(tars):
 
 def _train_vocab(items, train, get_y, multi_label):
     "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
+    items = list(items) if isinstance(items, L) else items   # (a list's own indexing: fastcore's `L` checks each index)
     ys = set().union(*(get_y(items[i]) for i in train)) if multi_label else {get_y(items[i]) for i in train}
     return sorted(y for y in ys if y == y)   # (fastai's `CategoryMap` leaves out NaN)
 
