@@ -41,6 +41,7 @@ class BuildSpec:
     num_threads: int
     prefetch: int
     hw_decoder_load: float
+    host_memory_padding: int|None
     seed: int
     seed_given: bool          # several shards share a permutation only through a seed they were given
     shard_id: int
@@ -311,7 +312,8 @@ class Feed:
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
-                               hw_decoder_load=spec.hw_decoder_load, mask_files=lists[1], names=outputs, **kw)
+                               hw_decoder_load=spec.hw_decoder_load, host_memory_padding=spec.host_memory_padding,
+                               mask_files=lists[1], names=outputs, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         except DaliReadError:

@@ -48,9 +48,9 @@ class DaliReport(pd.DataFrame):
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,exact_resize_crop,roi_decode'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,host_memory_padding,exact_resize_crop,roi_decode'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0,
+                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0, host_memory_padding:int=None,
                  exact_resize_crop:bool=False, roi_decode:bool=None, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
@@ -116,6 +116,7 @@ class DaliDL(TfmdDL):
                          shuffle=self.shuffle, drop_last=self.drop_last, dataset=id(self.dataset), n=self.n, indexed=self.indexed,
                          split_idx=getattr(self.dataset, 'split_idx', None), exact_resize_crop=self.exact_resize_crop,
                          num_threads=self.num_threads, prefetch=self.prefetch, hw_decoder_load=self.hw_decoder_load,
+                         host_memory_padding=self.host_memory_padding,
                          seed=self.seed, seed_given=self._seed_given, shard_id=self.shard_id, num_shards=self.num_shards,
                          py_workers=self.py_workers, roi_decode=self.roi_decode, order=self._order,
                          item_fs=fs, batch_fs=bfs, ds=self.dataset, n_items=self._n_items())

@@ -177,7 +177,8 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
-                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None):
+                    py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None,
+                    host_memory_padding=None):
     "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`)"
     pipe = Pipeline.current()
     gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
@@ -206,6 +207,9 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
     # 0.000, at no cost in throughput (H200, docs/results/README.md, "Resize window")
     dkw = dict(jpeg_fancy_upsampling=True) if mixed else {}
     if mixed and hw_decoder_load is not None: dkw['hw_decoder_load'] = hw_decoder_load
+    # `host_memory_padding`: the pinned host buffers the GPU decoder allocates up front, two a thread (None: DALI's
+    # default, 8 MiB each: 256 MiB of host memory with 16 threads, used by the JPEGs the hardware decoder does not take)
+    if mixed and host_memory_padding is not None: dkw['host_memory_padding'] = host_memory_padding
     dkw.update(device='mixed' if mixed else 'cpu', output_type=_color[plan.mode], adjust_orientation=False)
     # the plan decodes: the whole images (`fn.decoders.image`), or its first step only the part it needs
     decoder = lambda op, *inputs, **kw: getattr(fn.decoders, op)(jpegs, *inputs, **{**dkw, **_window_kw(op, mixed)}, **kw)

@@ -63,8 +63,17 @@ class _PickledInFile:
         "Delete the file once it has been read (DALI's workers load their callback while `build()` starts them)"
         if getattr(self, '_fn', None) is not None: _rm(self._fn); self._fn = None
 
+def _quiet_interrupts():
+    "In a worker process (DALI's, which load their source through `_load_pickled`): leave Ctrl-C to the main process"
+    # A notebook's kernel is interrupted, or shut down, by a SIGINT to its whole process group: each of DALI's workers then
+    # printed a `KeyboardInterrupt` traceback from its idle wait. The main process stops them as it tears its pipeline down
+    import multiprocessing, signal, threading
+    if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 def _load_pickled(fn):
     import pickle
+    _quiet_interrupts()
     with open(fn, 'rb') as f: cls,state = pickle.load(f)
     res = cls.__new__(cls); res.__dict__.update(state)
     return res

@@ -133,3 +133,22 @@ def test_script_with_or_without_main_guard(tmp_path, guarded):
     assert r.stdout.strip().splitlines()[-1] == f"batch (2, 3, 16, 16) workers {1 if guarded else 0}", r.stdout
     told = "outside `if __name__ == '__main__':`" in r.stderr
     assert told != guarded, r.stderr[-3000:]
+
+
+class _Box:   # (a `_PickledInFile` of the tests' own, as DALI's workers receive a source)
+    def __init__(self, v): self.v = v
+
+def _sigint_after_load(fn):
+    import signal
+    from fastai_dali.sources import _load_pickled
+    return _load_pickled(fn).v, signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+def test_workers_leave_ctrl_c_to_the_main_process():
+    "A worker process that loads its source ignores SIGINT (a notebook kernel's interrupt or shutdown signals its whole process group: each of DALI's workers printed a KeyboardInterrupt traceback); the main process keeps Python's handler"
+    import multiprocessing, signal
+    from fastai_dali.sources import _PickledInFile, _load_pickled
+    box = type('Box', (_Box, _PickledInFile), {})(3)
+    load,(fn,) = box.__reduce__()
+    assert load is _load_pickled
+    with multiprocessing.get_context('spawn').Pool(1) as pool: assert pool.apply(_sigint_after_load, (fn,)) == (3, True)
+    assert _load_pickled(fn).v == 3 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
