@@ -251,17 +251,20 @@ def _warp_draws(d, w):
     return warp_homography(np.where(kx, (2*x-1)*m, 0.), np.where(ky, (2*y-1)*m, 0.))
 
 # %% ../nbs/01b_augment.ipynb #c022
+def _norm_scales(W, H, align_corners):
+    "Scales and centres (sx, sy, cx, cy) of normalized coordinates in [-1,1] on the pixel centres of images `W` x `H` (B,)"
+    W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
+    return *(((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)),(W-1)/2,(H-1)/2
+
 def _norm_to_pix(W, H, align_corners):
     "(B,3,3) maps from normalized coordinates in [-1,1] to the pixel centres of images `W` x `H` (B,)"
-    W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
-    sx,sy = ((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)
-    return np_affine_mat(sx, 0, (W-1)/2, 0, sy, (H-1)/2)
+    sx,sy,cx,cy = _norm_scales(W, H, align_corners)
+    return np_affine_mat(sx, 0, cx, 0, sy, cy)
 
 def _pix_to_norm(W, H, align_corners):
     "The inverse of `_norm_to_pix`"
-    W,H = np.asarray(W, dtype=np.float64),np.asarray(H, dtype=np.float64)
-    sx,sy = ((W-1)/2, (H-1)/2) if align_corners else (W/2, H/2)
-    return np_affine_mat(1/sx, 0, -(W-1)/2/sx, 0, 1/sy, -(H-1)/2/sy)
+    sx,sy,cx,cy = _norm_scales(W, H, align_corners)
+    return np_affine_mat(1/sx, 0, -cx/sx, 0, 1/sy, -cy/sy)
 
 class AffineParams:
     "Per-sample DALI warp matrices (output pixel -> input pixel) of fastai `AffineCoordTfm` `tfm`, from U(0,1) draws; the points' maps of the same draws: `point_maps` (`WarpPoints`)"

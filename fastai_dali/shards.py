@@ -229,16 +229,14 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
     return L(res)
 
 # %% ../nbs/04d_shards.ipynb #c016
-_MISSING = object()
-
 class ShardLabel:
     "`get_y` of shards: the sample's `label` member (cls: int, txt: str, json: parsed; its text read by `shard_samples`), through `get_y`, or named by `names` (a `.cls` index)"
     def __init__(self, label='cls', get_y=None, names=None):
         store_attr(store_args=False)
-        self._memo = {}   # label text -> value, without a `get_y` (a million samples share a thousand labels)
+        self._memo = {}   # label text -> value (an int or a str), without a `get_y` (a million samples share a thousand labels)
     def __getstate__(self): return {**self.__dict__, '_memo': {}}
     def __call__(self, s):
-        if self.get_y is None and s.label_ext == self.label and (v := self._memo.get(s.label, _MISSING)) is not _MISSING: return v
+        if self.get_y is None and s.label_ext == self.label and (v := self._memo.get(s.label)) is not None: return v
         v = self._value(s)
         if self.get_y is None: self._memo[s.label] = v
         return v
@@ -265,7 +263,7 @@ def _vocab_file(tars):
 
 def _train_vocab(items, train, get_y, multi_label):
     "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
-    items = list(items) if isinstance(items, L) else items   # (a list's own indexing: fastcore's `L` checks each index)
+    items = items.items if isinstance(items, L) else items   # (its list's own indexing: fastcore's `L` checks each index)
     ys = set().union(*(get_y(items[i]) for i in train)) if multi_label else {get_y(items[i]) for i in train}
     return sorted(y for y in ys if y == y)   # (fastai's `CategoryMap` leaves out NaN)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03d_sources.ipynb #c002
 from __future__ import annotations
-import ast, io, os, struct, sys, tempfile, traceback, warnings, weakref
+import ast, io, multiprocessing, os, signal, struct, sys, tempfile, threading, traceback, warnings, weakref
 import numpy as np
 from multiprocessing import shared_memory
 from multiprocessing.util import Finalize
@@ -67,7 +67,6 @@ def _quiet_interrupts():
     "In a worker process (DALI's, which load their source through `_load_pickled`): leave Ctrl-C to the main process"
     # A notebook's kernel is interrupted, or shut down, by a SIGINT to its whole process group: each of DALI's workers then
     # printed a `KeyboardInterrupt` traceback from its idle wait. The main process stops them as it tears its pipeline down
-    import multiprocessing, signal, threading
     if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

@@ -16,7 +16,6 @@ from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU, CropPad
 from fastai.vision.data import bb_pad
 from .transforms import *
 from .items import *
-from .items import wrapped_fn
 
 # %% auto #0
 __all__ = ['changes', 'bb_pad_of', 'block_name', 'TargetPlan', 'setup_as_fastai', 'move_points', 'move_boxes', 'bb_pad_batch',
