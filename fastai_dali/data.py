@@ -86,6 +86,7 @@ def _setup_error(e, dblock, source):
 # %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
     "A `DataLoaders` of `DaliDL`s, with `ImageDataLoaders`' factories"
+    fast_path = True  # a `Learner` made over these trains on the fast path (`FastPathCallback`, 04b_training); False: fastai's own
     @classmethod
     @delegates(DataLoaders.from_dblock)
     @gc_paused()   # (a million items: see `gc_paused`, 00_core)

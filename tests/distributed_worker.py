@@ -133,9 +133,11 @@ def target_checks(root, rank, world):
 def callback_checks(root, rank, world):
     flat = lambda xs: [torch.as_tensor(x).flatten().tolist() for x in xs]
     recs = []
-    for cbs in ([], [DeviceLossCallback()]):
+    # fastai's own loop (no fast path), then the fast path's DeviceLossCallback with a second one passed to `fit`
+    for fast,cbs in ((False, []), (True, [DeviceLossCallback()])):
         set_seed(0)
         dls = DaliDataLoaders.from_folder(root, bs=4, device='cpu', num_threads=1)
+        dls.fast_path = fast
         learn = Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2)
         with learn.distrib_ctx(sync_bn=False), learn.no_bar(): learn.fit(2, cbs=cbs)
         recs.append((flat(learn.recorder.losses), [flat(v) for v in learn.recorder.values]))

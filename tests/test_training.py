@@ -24,9 +24,11 @@ from conftest import DEVICE, make_id_folder, IdNet, IdLoss
 @pytest.fixture(scope='module')
 def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))
 
-def learner(root, cbs=None, **kw):
+def learner(root, cbs=None, fast_path=True, **kw):
+    "`fast_path=False`: fastai's own loop (no `FastPathCallback` swaps), the control of the callbacks' checks"
     torch.manual_seed(0)
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(4), bs=6, device=DEVICE, shuffle=False)
+    dls.fast_path = fast_path
     return Learner(dls, IdNet(), loss_func=IdLoss(), lr=1e-2, cbs=cbs, **kw)
 
 class CountLossCopies(Callback):
@@ -44,9 +46,11 @@ class CountLossCopies(Callback):
 @pytest.mark.parametrize('bar', [False, True])
 def test_same_records_no_loss_copy(id_root, bar):
     runs = {}
-    for name,cbs in (('fastai', []), ('device', [DeviceLossCallback()])):
+    # fastai's own loop; the fast path a Learner takes by default (its DeviceLossCallback); and that with a second
+    # DeviceLossCallback of the user's (one stands aside)
+    for name,cbs,fast in (('fastai', [], False), ('device', [], True), ('two', [DeviceLossCallback()], True)):
         count = CountLossCopies()
-        learn = learner(id_root, cbs=[count, *cbs])
+        learn = learner(id_root, cbs=[count, *cbs], fast_path=fast)
         if bar: learn.fit(2)
         else:
             with learn.no_bar(): learn.fit(2)
@@ -54,10 +58,10 @@ def test_same_records_no_loss_copy(id_root, bar):
         runs[name] = (count.n, [float(l) for l in r.losses], [list(map(float, v)) for v in r.values],
                       float(learn.smooth_loss), [p.detach().cpu().clone() for p in learn.model.parameters()])
         assert type(r.smooth_loss) is not DeviceSmoothLoss and all(l.device.type == 'cpu' for l in r.losses)
-    (n_f,*ref),(n_d,*ours) = runs['fastai'],runs['device']
+    (n_f,*ref),(n_d,*ours),(n_2,*two) = runs['fastai'],runs['device'],runs['two']
     n_batches = 2*len(learn.dls.train)
-    assert (n_f, n_d) == (n_batches, 0)
-    assert ours[:3] == ref[:3] and all(torch.equal(a, b) for a,b in zip(ours[3], ref[3]))
+    assert (n_f, n_d, n_2) == (n_batches, 0, 0)
+    for o in (ours, two): assert o[:3] == ref[:3] and all(torch.equal(a, b) for a,b in zip(o[3], ref[3]))
 
 class SyncsInBatch(Callback):
     "Synchronizing torch calls from the loss to the end of the batch's callbacks (after ProgressCallback's), per training batch"
@@ -75,8 +79,9 @@ class SyncsInBatch(Callback):
 @pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
 def test_no_host_sync_per_training_batch(id_root):
     res = {}
-    for name,cbs,kw in (('fastai', [], {}), ('device', [DeviceLossCallback()], {}),
-                        ('device, ForeachAdam', [DeviceLossCallback()], dict(opt_func=ForeachAdam))):
+    for name,cbs,kw in (('fastai', [], dict(fast_path=False)), ('device', [DeviceLossCallback()], dict(fast_path=False)),
+                        ('device, ForeachAdam', [DeviceLossCallback()], dict(opt_func=ForeachAdam, fast_path=False)),
+                        ("a Learner's defaults (the fast path)", [], {})):
         s = SyncsInBatch()
         learn = learner(id_root, cbs=[s, *cbs], **kw); learn.model.cuda()
         learn.fit(2)
@@ -84,6 +89,7 @@ def test_no_host_sync_per_training_batch(id_root):
     assert all(n >= 1 for n in res['fastai']), res      # the check sees fastai's copy of the loss
     assert res['device'] == [0]*len(res['device']), res
     assert res['device, ForeachAdam'] == [0]*len(res['device']), res  # the foreach step syncs nothing either
+    assert res["a Learner's defaults (the fast path)"] == [0]*len(res['device']), res
 
 @pytest.mark.skipif(DEVICE == 'cpu', reason='a host sync is a GPU matter: the GPU suite runs this')
 def test_no_host_sync_in_the_loader(id_root):

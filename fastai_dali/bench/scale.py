@@ -64,8 +64,8 @@ class _RssByLine:
 SCALE_KINDS = ('get_image_files', 'ImageDataLoaders', 'DaliDataLoaders', 'DaliDataLoaders, again', 'mixed',
                'from_shards (indexing)', 'from_shards (indexed)')
 
-def _loaders(kind, root, device, workers, bs):
-    "The `DataLoaders` of row `kind` on the folder `root` (its shards in `root`_shards)"
+def _loaders(kind, root, device, workers, bs, dali_kw=None):
+    "The `DataLoaders` of row `kind` on the folder `root` (its shards in `root`_shards); `dali_kw`: more settings of the DALI rows (e.g. `host_memory_padding`)"
     from fastai.vision.all import ImageDataLoaders, Resize, Normalize, imagenet_stats
     from fastai_dali.data import DaliDataLoaders
     import fastai_dali.shards  # (DaliDataLoaders.from_shards)
@@ -73,16 +73,16 @@ def _loaders(kind, root, device, workers, bs):
     if kind == 'ImageDataLoaders': return ImageDataLoaders.from_folder(root, valid='valid', num_workers=workers, device=device, **kw)
     if kind.startswith('from_shards'):
         sh = Path(f'{root}_shards')
-        return DaliDataLoaders.from_shards(sh/'train', sh/'valid', device=device, **kw)
+        return DaliDataLoaders.from_shards(sh/'train', sh/'valid', device=device, **kw, **(dali_kw or {}))
     if kind == 'mixed':
         from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, get_image_files, parent_label, GrandparentSplitter
         return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
                          splitter=GrandparentSplitter(valid_name='valid'), item_tfms=kw['item_tfms'],
-                         batch_tfms=kw['batch_tfms']).dali_dataloaders(root, bs=bs, device=device)
-    return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw)
+                         batch_tfms=kw['batch_tfms']).dali_dataloaders(root, bs=bs, device=device, **(dali_kw or {}))
+    return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw, **(dali_kw or {}))
 
-def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None):
-    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch; the figures as a dict (`trace`: a folder for its profile and RSS trace)"
+def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None):
+    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch; the figures as a dict (`trace`: a folder for its profile and RSS trace; `dali_kw`: more settings of the DALI rows)"
     import resource, cProfile, pstats
     if kind not in SCALE_KINDS: raise ValueError(f"unknown row {kind!r}: one of {', '.join(SCALE_KINDS)}")
     if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
@@ -92,7 +92,7 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None):
         items = get_image_files(root, folders=['train', 'valid']); t1 = t2 = time.perf_counter()
         n,vocab = [len(items), 0],None
     else:
-        dls = _loaders(kind.replace(', again', ''), root, device, workers, bs); t1 = time.perf_counter()
+        dls = _loaders(kind.replace(', again', ''), root, device, workers, bs, dali_kw); t1 = time.perf_counter()
         next(iter(dls.train)); t2 = time.perf_counter()
         n,vocab = [len(dls.train_ds), len(dls.valid_ds)],len(dls.vocab)
     if trace:
@@ -112,8 +112,8 @@ def scale_process(kind, root, **kw):
     os._exit(0)
 
 # %% ../../nbs/07g_bench_scale.ipynb #e883f90f
-def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, log=print):
-    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars)"
+def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, dali_kw=None, log=print):
+    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON)"
     res = []
     if any(k.startswith('from_shards') for k in kinds):
         if not shards: raise ValueError("the from_shards rows need `shards`: how many samples a shard")
@@ -127,7 +127,7 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
         for kind in kinds:
             if kind == 'from_shards (indexing)':   # (each repeat indexes them again)
                 for f in Path(f'{root}_shards').glob('*/*.idx*'): f.unlink()
-            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace)))
+            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw))
             code = f"import json; from fastai_dali.bench.scale import scale_process; scale_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
             out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)

@@ -11,8 +11,8 @@ from ..demo import cuda_sync, gpu_memory_mb, train_timer
 from .core import workers_name, labelled_bar
 
 # %% auto #0
-__all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_PLAIN_GRAPHS', 'TRACE_PHASES', 'SyntheticDL',
-           'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs',
+__all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_DEFAULT', 'ROW_PLAIN_GRAPHS', 'TRACE_PHASES',
+           'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs',
            'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto',
            'trace_summary', 'fit_trace', 'memory_over_epochs', 'training_section', 'trace_section']
 
@@ -22,6 +22,7 @@ ROW_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
 ROW_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
 ROW_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
 ROW_GRAPHS = f'{ROW_FAST}, CudaGraphCallback'  # the fast path with training batches as CUDA graphs
+ROW_DEFAULT = "DaliDataLoaders, a Learner's defaults (FastPathCallback)"  # what a user who only swaps the class name trains
 ROW_PLAIN_GRAPHS = f'{ROW_PLAIN_FUSED}, CUDA graphs'  # its like-for-like ceiling: the plain loop compiled as it compiles the model
 
 # %% ../../nbs/07d_bench_training.ipynb #c019
@@ -50,10 +51,14 @@ def serial_bound(model_img_s, loader_img_s):
     "Training img/s if every image costs the model's time plus the loader's (no overlap)"
     return 1/(1/model_img_s + 1/loader_img_s)
 
-def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None, opt_func=None):
-    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`)"
+def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None, opt_func=None, fast_path=False):
+    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`); on `DaliDataLoaders` the fast path a Learner takes by default (`FastPathCallback`) only with `fast_path`, so that each row is what it names"
     m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
-    learn = Learner(dls, m, loss_func=CrossEntropyLossFlat(), **({} if opt_func is None else dict(opt_func=opt_func)))
+    was = getattr(dls, 'fast_path', None)
+    if was is not None: dls.fast_path = fast_path
+    try: learn = Learner(dls, m, loss_func=CrossEntropyLossFlat(), **({} if opt_func is None else dict(opt_func=opt_func)))
+    finally:
+        if was is not None: dls.fast_path = was
     if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
     elif bf16: learn.to_bf16()
     return learn
@@ -106,12 +111,13 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
     epoch = torch_loop_epochs(dl, arch, n_out, bf16, channels_last, device)
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
-def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None):
+def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None, fast_path=False):
     """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
     if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs))
-    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s; the
+    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s (`fast_path`:
+    the Learner as made by default, `FastPathCallback`'s swaps included: what a user who only swaps the class name trains); the
     wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
-    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func),train_timer(validate=False)
+    learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False)
     if compile == 'reduce-overhead': cbs = [*cbs, CudaGraphCallback()]  # what a user gets: training batches as CUDA graphs
     elif compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
     def epoch():
@@ -293,8 +299,8 @@ def _training_rows(dls, syn, sdl, D, dls_ld, W, compiled):
     # row: data, and a plain PyTorch loop's optimizer (`torch_optimizer`), or fastai's `Learner` with: its optimizer
     # (fast: `ForeachAdam`; else fastai's `Adam`), `DeviceLossCallback` (fastai's smoothed loss on the GPU), the bar on
     P = lambda d, opt, graphs=False: dict(d=d, torch=opt, graphs=graphs)
-    F = lambda d, fast=False, loss=False, bar=False, compile=None: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile)
-    rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls),
+    F = lambda d, fast=False, loss=False, bar=False, compile=None, default=False: dict(d=d, fast=fast, loss=loss, bar=bar, compile=compile, default=default)
+    rows = {'model only (synthetic batches on the GPU)': F(syn), 'DaliDataLoaders': F(dls), ROW_DEFAULT: F(dls, default=True),
             f'ImageDataLoaders ({workers_name(W)})': F(D['idls'][W]),
             'plain PyTorch loop, synthetic batches': P(sdl, 'sgd'), 'plain PyTorch loop, DaliDataLoaders': P(dls.train, 'sgd'),
             ROW_PLAIN_ADAMW: P(sdl, 'adamw'), ROW_PLAIN_FUSED: P(sdl, 'adamw_fused'),
@@ -339,7 +345,8 @@ def training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
         made = {}  # each row's epoch function, once made
         make = lambda k, r: lambda: made.setdefault(k, torch_loop_epochs(r['d'], arch, dls.c, device=device, opt=r['torch'], graphs=r['graphs'])
                                     if 'torch' in r else fit_epochs(r['d'], arch, dls.c, cbs=[DeviceLossCallback()] if r['loss'] else [],
-                                                                    opt_func=ForeachAdam if r['fast'] else None, bar=r['bar'], compile=r['compile']))
+                                                                    opt_func=ForeachAdam if r['fast'] else None, bar=r['bar'], compile=r['compile'],
+                                                                    fast_path=r['default']))
         fit[a],fit_runs[a] = fit_rounds({k: make(k, r) for k,r in rows.items()}, epochs, label=f'timing learn.fit {a}')
         for k,r in rows.items():  # compilation: the first epoch's seconds beyond the median of the others
             if r.get('compile') and len(sec := made[k].seconds) > 1:
