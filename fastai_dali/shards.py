@@ -18,7 +18,7 @@ from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock
 from fastai.data.transforms import IndexSplitter, RandomSplitter
 from fastai.vision.data import ImageBlock
 from .core import *
-from .sources import unguarded_script, read_member, ShardSource
+from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
 from .data import *
 
 # %% auto #0
@@ -316,10 +316,17 @@ def _write_shard(job):
 PARALLEL_MIN = 20_000  # files from which `write_shards` writes shards in worker processes (below it their start costs more)
 
 def _shard_procs(procs, n_files, n_shards):
-    "How many processes write the shards: `procs` if given, else the machine's cores for a large folder; 1 where this runs at a script's top level without a main guard (spawned workers would run the script again)"
-    if unguarded_script() is not None: return 1
+    "How many processes write the shards: `procs` if given, else the machine's cores for a large folder; 1, said in a warning, where this runs at a script's top level without a main guard (spawned workers would run the script again)"
     if procs is None: procs = default_num_threads() if n_files >= PARALLEL_MIN else 1
-    return max(1, min(procs, n_shards))
+    n = max(1, min(procs, n_shards))
+    if n > 1 and (script := unguarded_script()) is not None:
+        warnings.warn(spawn_blocked_msg(script, f"`write_shards` writes them in this process. For {n} processes, ")
+                      if not os.path.isfile(script) else
+                      f"{script} calls `write_shards` at its top level, outside `if __name__ == '__main__':`. Its worker "
+                      "processes start by importing the script ('spawn'), which would run it again, so it writes the shards "
+                      f"in this process. Put the script's work under `if __name__ == '__main__':` for {n} processes.", stacklevel=3)
+        return 1
+    return n
 
 def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True, procs:int=None):
     "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`, `.cls` labels indexing `out/vocab.json`, in `procs` processes (None: the cores, from `PARALLEL_MIN` files); returns the shards' paths by split"

@@ -260,7 +260,7 @@ def test_skip_unreadable_in_shards(tmp_path):
 @pytest.mark.skipif(DEVICE != 'cpu', reason="how 'spawn' imports a script: a CPU run's, CI runs this")
 @pytest.mark.parametrize('how', ['file', 'stdin'])
 def test_top_level_script_writes_and_reads_shards(tmp_path, how):
-    "A plain script without `if __name__ == '__main__':` (a file, or code piped to `python -`, which spawned processes cannot import at all) writes shards (asking for worker processes) and reads them with DALI's worker processes asked for too: both run in its own process, with no error, and say so once"
+    "A plain script without `if __name__ == '__main__':` (a file, or code piped to `python -`, which spawned processes cannot import at all) writes shards (asking for worker processes) and reads them with DALI's worker processes asked for too: both run in its own process, with no error, and each says so once"
     import subprocess, sys, textwrap
     script = tmp_path/'shards.py'
     script.write_text(textwrap.dedent(f'''
@@ -280,7 +280,7 @@ def test_top_level_script_writes_and_reads_shards(tmp_path, how):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == 'shards 6 2 batch (2, 3, 16, 16) workers 0', r.stdout
     said = dict(file="outside `if __name__ == '__main__':`", stdin="read from standard input (<stdin>)")[how]
-    assert r.stderr.count(said) == 1, r.stderr[-3000:]
+    assert r.stderr.count(said) == 2 and r.stderr.count('`write_shards`') == 1, r.stderr[-3000:]
 
 def test_workers_import_neither_torch_nor_fastai(tmp_path):
     "DALI's worker processes unpickle `from_shards`' per-batch source (an `EpochSource` over a `ShardSource`) and read its samples without importing torch or fastai (each took seconds to start with them); the bytes are the shard's"
