@@ -62,11 +62,13 @@ class DeviceLossCallback(Callback):
         rec = getattr(self.learn, 'recorder', None)
         self.fitting,self.in_batch = False,False
         if rec is None: return
-        # one is enough: another in this fit (the fast path's, and a user's passed to `fit`) leaves it to the first
-        if any(c is not self and isinstance(c, DeviceLossCallback) and c.in_fit(self.learn) for c in self.learn.cbs): return
+        # one is enough: where another one already holds the loss in this fit (the fast path's, and a user's passed to
+        # `fit`; or one of a copy of this class, as a module's cells run again in a notebook make), this one stands aside
+        owner = getattr(rec.smooth_loss, 'owner', None)
+        if owner is not None and owner is not self and owner.in_fit(self.learn): return
         # fastai's own smoothed loss, kept on the Recorder (set in its `__dict__`: a callback's `__setattr__` warns of
         # the learner's `smooth_loss`); a fit that ended in an error left ours in its place
-        if not isinstance(rec.smooth_loss, DeviceSmoothLoss): vars(rec)['fastai_smooth_loss'] = rec.smooth_loss
+        if owner is None: vars(rec)['fastai_smooth_loss'] = rec.smooth_loss
         fastai_loss = vars(rec)['fastai_smooth_loss']
         vars(rec)['smooth_loss'] = DeviceSmoothLoss(beta=fastai_loss.beta, owner=self)
         rec.smooth_loss.reset()
@@ -188,4 +190,5 @@ class FastPathCallback(Callback):
             if not any(isinstance(c, DeviceLossCallback) for c in learn.cbs): learn.add_cb(DeviceLossCallback())
         learn.remove_cb(self)
 
-if FastPathCallback not in defaults.callbacks: defaults.callbacks.append(FastPathCallback)
+# once, by name: running this again (a reload, a notebook's cells) replaces the earlier class rather than adding a second
+defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [FastPathCallback]

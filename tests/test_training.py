@@ -63,6 +63,40 @@ def test_same_records_no_loss_copy(id_root, bar):
     assert (n_f, n_d, n_2) == (n_batches, 0, 0)
     for o in (ours, two): assert o[:3] == ref[:3] and all(torch.equal(a, b) for a,b in zip(o[3], ref[3]))
 
+def test_copies_of_the_class_keep_one_loss(id_root):
+    "A second copy of `DeviceLossCallback`'s class (what running the module's cells again in a notebook, or a reload, makes: `isinstance` no longer sees the other) beside the fast path's own: one holds the loss, the other stands aside, and the records are fastai's"
+    import importlib.util, fastai_dali.training as T
+    from fastai.callback.core import defaults
+    spec = importlib.util.spec_from_file_location('fastai_dali._training_copy', T.__file__)
+    copy = importlib.util.module_from_spec(spec); spec.loader.exec_module(copy)  # (its FastPathCallback now registered)
+    try:
+        assert not issubclass(copy.DeviceLossCallback, DeviceLossCallback)
+        assert [c for c in defaults.callbacks if getattr(c, '__name__', None) == 'FastPathCallback'] == [copy.FastPathCallback]
+        runs = {}
+        for name,cbs,fast in (('fastai', [], False), ('copy', [DeviceLossCallback()], True)):
+            learn = learner(id_root, cbs=cbs, fast_path=fast)
+            with learn.no_bar(): learn.fit(2)
+            r = learn.recorder
+            runs[name] = ([float(l) for l in r.losses], [list(map(float, v)) for v in r.values], float(learn.smooth_loss))
+            assert type(r.smooth_loss).__name__ == 'AvgSmoothLoss' and 'fastai_smooth_loss' not in vars(r)
+        assert runs['copy'] == runs['fastai']
+        assert sorted(type(c).__module__ for c in learn.cbs if type(c).__name__ == 'DeviceLossCallback') == ['fastai_dali._training_copy', 'fastai_dali.training']
+    finally:
+        defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [T.FastPathCallback]
+
+def test_fast_path_registered_once():
+    "`FastPathCallback` sits in fastai's `defaults.callbacks` once, by name, however often its registration runs"
+    import importlib
+    from fastai.callback.core import defaults
+    import fastai_dali.training as T
+    n = lambda: sum(getattr(c, '__name__', None) == 'FastPathCallback' for c in defaults.callbacks)
+    assert n() == 1
+    src = "defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [FastPathCallback]"
+    exec(src, {'defaults': defaults, 'FastPathCallback': type('FastPathCallback', (T.FastPathCallback,), {})})
+    assert n() == 1
+    exec(src, {'defaults': defaults, 'FastPathCallback': T.FastPathCallback})
+    assert n() == 1 and T.FastPathCallback in defaults.callbacks
+
 class SyncsInBatch(Callback):
     "Synchronizing torch calls from the loss to the end of the batch's callbacks (after ProgressCallback's), per training batch"
     order = 100
