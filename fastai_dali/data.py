@@ -21,6 +21,7 @@ from .errors import *
 from .items import *
 from .loader import *
 from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
+from . import training as _training  # registers `DaliFastPathCallback`: a Learner made over these loaders takes the fast path
 
 # %% auto #0
 __all__ = ['check_image_folder', 'DaliDataLoaders', 'image_files', 'grandparent_splits', 'GivenSplits', 'ZipMember']
@@ -86,7 +87,9 @@ def _setup_error(e, dblock, source):
 # %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
     "A `DataLoaders` of `DaliDL`s, with `ImageDataLoaders`' factories"
-    fast_path = True  # a `Learner` made over these trains on the fast path (`FastPathCallback`, 04b_training); False: fastai's own
+    # a `Learner` made over these trains on the fast path (`DaliFastPathCallback`, 04b_training); False: fastai's own.
+    # Read when the Learner is made: set it before `vision_learner`/`Learner(...)`
+    fast_path = True
     @classmethod
     @delegates(DataLoaders.from_dblock)
     @gc_paused()   # (a million items: see `gc_paused`, 00_core)

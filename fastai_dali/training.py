@@ -11,12 +11,13 @@ from fastai.torch_core import to_detach
 from functools import partial
 from fastai.learner import AvgSmoothLoss, Recorder
 from fastai.callback.core import Callback
+from fastai.callback.schedule import LRFinder
 from fastai.optimizer import Adam, RAdam, SGD
-from .data import DaliDataLoaders
 from .optimizer import ForeachAdam, ForeachRAdam, ForeachSGD
 
 # %% auto #0
-__all__ = ['DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'foreach_twin', 'FastPathCallback']
+__all__ = ['DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'foreach_twin', 'DaliFastPathCallback',
+           'register_fast_path']
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
@@ -66,6 +67,8 @@ class DeviceLossCallback(Callback):
         # `fit`; or one of a copy of this class, as a module's cells run again in a notebook make), this one stands aside
         owner = getattr(rec.smooth_loss, 'owner', None)
         if owner is not None and owner is not self and owner.in_fit(self.learn): return
+        # `lr_find` decides each batch from the smoothed loss (stop when it diverges): fastai's own value, on the CPU
+        if any(isinstance(c, LRFinder) for c in self.learn.cbs): return
         # fastai's own smoothed loss, kept on the Recorder (set in its `__dict__`: a callback's `__setattr__` warns of
         # the learner's `smooth_loss`); a fit that ended in an error left ours in its place
         if owner is None: vars(rec)['fastai_smooth_loss'] = rec.smooth_loss
@@ -181,14 +184,19 @@ def foreach_twin(opt_func):
     if twin is None: return opt_func
     return partial(twin, *opt_func.args, **opt_func.keywords) if isinstance(opt_func, partial) else twin
 
-class FastPathCallback(Callback):
-    "In fastai's `defaults.callbacks`: a `Learner` made over `DaliDataLoaders` (whose `fast_path` is True) trains with fastai's optimizer's foreach twin (`foreach_twin`) and `DeviceLossCallback`; then it leaves the learner's callbacks"
+# %% ../nbs/04b_training.ipynb #1b725de0
+class DaliFastPathCallback(Callback):
+    "In fastai's `defaults.callbacks`: a `Learner` made over loaders whose `fast_path` is True (`DaliDataLoaders`' default) trains with fastai's optimizer's foreach twin (`foreach_twin`) and `DeviceLossCallback`; then it leaves the learner's callbacks"
+    _fastai_dali_fast_path = True  # (what its registration knows it by)
     def after_create(self):
         learn = self.learn
-        if isinstance(learn.dls, DaliDataLoaders) and learn.dls.fast_path:
+        if getattr(learn.dls, 'fast_path', False):
             learn.opt_func = foreach_twin(learn.opt_func)
             if not any(isinstance(c, DeviceLossCallback) for c in learn.cbs): learn.add_cb(DeviceLossCallback())
         learn.remove_cb(self)
 
-# once, by name: running this again (a reload, a notebook's cells) replaces the earlier class rather than adding a second
-defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [FastPathCallback]
+def register_fast_path():
+    "`DaliFastPathCallback` into fastai's `defaults.callbacks`, once: running this again (a reload, a notebook running the module's cells) replaces an earlier class of it rather than adding a second"
+    defaults.callbacks[:] = [c for c in defaults.callbacks if not getattr(c, '_fastai_dali_fast_path', False)] + [DaliFastPathCallback]
+
+register_fast_path()

@@ -25,7 +25,7 @@ from conftest import DEVICE, make_id_folder, IdNet, IdLoss
 def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))
 
 def learner(root, cbs=None, fast_path=True, **kw):
-    "`fast_path=False`: fastai's own loop (no `FastPathCallback` swaps), the control of the callbacks' checks"
+    "`fast_path=False`: fastai's own loop (no `DaliFastPathCallback` swaps), the control of the callbacks' checks"
     torch.manual_seed(0)
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(4), bs=6, device=DEVICE, shuffle=False)
     dls.fast_path = fast_path
@@ -40,7 +40,9 @@ class CountLossCopies(Callback):
             if cpu and self.in_batch: self.n += 1
             return self.orig(b, cpu, gather)
         fastai.learner.to_detach = counting
-    def before_batch(self): self.in_batch = self.training
+    def before_batch(self):
+        self.in_batch = self.training
+        self.device_cbs = sum(isinstance(c, DeviceLossCallback) for c in self.learn.cbs)
     def after_fit(self): fastai.learner.to_detach = self.orig
 
 @pytest.mark.parametrize('bar', [False, True])
@@ -50,28 +52,43 @@ def test_same_records_no_loss_copy(id_root, bar):
     # DeviceLossCallback of the user's (one stands aside)
     for name,cbs,fast in (('fastai', [], False), ('device', [], True), ('two', [DeviceLossCallback()], True)):
         count = CountLossCopies()
-        learn = learner(id_root, cbs=[count, *cbs], fast_path=fast)
-        if bar: learn.fit(2)
+        learn = learner(id_root, cbs=count, fast_path=fast)
+        if bar: learn.fit(2, cbs=cbs)
         else:
-            with learn.no_bar(): learn.fit(2)
+            with learn.no_bar(): learn.fit(2, cbs=cbs)
         r = learn.recorder
         runs[name] = (count.n, [float(l) for l in r.losses], [list(map(float, v)) for v in r.values],
                       float(learn.smooth_loss), [p.detach().cpu().clone() for p in learn.model.parameters()])
+        assert count.device_cbs == dict(fastai=0, device=1, two=2)[name], (name, count.device_cbs)
         assert type(r.smooth_loss) is not DeviceSmoothLoss and all(l.device.type == 'cpu' for l in r.losses)
     (n_f,*ref),(n_d,*ours),(n_2,*two) = runs['fastai'],runs['device'],runs['two']
     n_batches = 2*len(learn.dls.train)
     assert (n_f, n_d, n_2) == (n_batches, 0, 0)
     for o in (ours, two): assert o[:3] == ref[:3] and all(torch.equal(a, b) for a,b in zip(o[3], ref[3]))
 
+def test_lr_find_as_fastai(id_root):
+    "`lr_find` decides each batch from the smoothed loss (it stops where the loss diverges): on the fast path DeviceLossCallback stands aside for it, so that value is fastai's own, on the CPU; the lrs and losses equal fastai's"
+    class Seen(Callback):
+        order = 99
+        def before_fit(self): self.kinds = set()
+        def after_batch(self): self.kinds.add(type(self.learn.recorder.smooth_loss).__name__)
+    res = {}
+    for fast in (False, True):
+        seen = Seen()
+        learn = learner(id_root, cbs=seen, fast_path=fast)
+        with learn.no_bar(), learn.no_logging(): learn.lr_find(start_lr=1e-5, end_lr=10, num_it=12, show_plot=False)
+        res[fast] = ([float(x) for x in learn.recorder.losses], [float(x) for x in learn.recorder.lrs], seen.kinds)
+    assert res[True] == res[False] and res[True][2] == {'AvgSmoothLoss'}, res
+
 def test_copies_of_the_class_keep_one_loss(id_root):
     "A second copy of `DeviceLossCallback`'s class (what running the module's cells again in a notebook, or a reload, makes: `isinstance` no longer sees the other) beside the fast path's own: one holds the loss, the other stands aside, and the records are fastai's"
     import importlib.util, fastai_dali.training as T
     from fastai.callback.core import defaults
     spec = importlib.util.spec_from_file_location('fastai_dali._training_copy', T.__file__)
-    copy = importlib.util.module_from_spec(spec); spec.loader.exec_module(copy)  # (its FastPathCallback now registered)
+    copy = importlib.util.module_from_spec(spec); spec.loader.exec_module(copy)  # (its DaliFastPathCallback now registered)
     try:
         assert not issubclass(copy.DeviceLossCallback, DeviceLossCallback)
-        assert [c for c in defaults.callbacks if getattr(c, '__name__', None) == 'FastPathCallback'] == [copy.FastPathCallback]
+        assert [c for c in defaults.callbacks if getattr(c, '_fastai_dali_fast_path', False)] == [copy.DaliFastPathCallback]  # once
         runs = {}
         for name,cbs,fast in (('fastai', [], False), ('copy', [DeviceLossCallback()], True)):
             learn = learner(id_root, cbs=cbs, fast_path=fast)
@@ -81,21 +98,7 @@ def test_copies_of_the_class_keep_one_loss(id_root):
             assert type(r.smooth_loss).__name__ == 'AvgSmoothLoss' and 'fastai_smooth_loss' not in vars(r)
         assert runs['copy'] == runs['fastai']
         assert sorted(type(c).__module__ for c in learn.cbs if type(c).__name__ == 'DeviceLossCallback') == ['fastai_dali._training_copy', 'fastai_dali.training']
-    finally:
-        defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [T.FastPathCallback]
-
-def test_fast_path_registered_once():
-    "`FastPathCallback` sits in fastai's `defaults.callbacks` once, by name, however often its registration runs"
-    import importlib
-    from fastai.callback.core import defaults
-    import fastai_dali.training as T
-    n = lambda: sum(getattr(c, '__name__', None) == 'FastPathCallback' for c in defaults.callbacks)
-    assert n() == 1
-    src = "defaults.callbacks[:] = [c for c in defaults.callbacks if getattr(c, '__name__', None) != 'FastPathCallback'] + [FastPathCallback]"
-    exec(src, {'defaults': defaults, 'FastPathCallback': type('FastPathCallback', (T.FastPathCallback,), {})})
-    assert n() == 1
-    exec(src, {'defaults': defaults, 'FastPathCallback': T.FastPathCallback})
-    assert n() == 1 and T.FastPathCallback in defaults.callbacks
+    finally: T.register_fast_path()
 
 class SyncsInBatch(Callback):
     "Synchronizing torch calls from the loss to the end of the batch's callbacks (after ProgressCallback's), per training batch"

@@ -35,7 +35,7 @@ GOALS = dict(
     fast=dict(resnet18=0.9, resnet50=0.95),  # the fast path / the plain loop with the same optimizer
     fast_aug=dict(resnet18=0.8, resnet50=0.9),
     fast_default=1.7, fast_idl=4,            # resnet18's fast path / fastai's defaults; / ImageDataLoaders
-    learner_default=1.5,                     # a Learner's defaults on DaliDataLoaders (FastPathCallback) / fastai's own loop
+    learner_default=1.5,                     # a Learner's defaults on DaliDataLoaders (DaliFastPathCallback) / fastai's own loop
     memory=0.99,                             # device memory flat over epochs (1 - growth/first)
     shards_folder=0.95, shards_peer=5,       # shards / the folder, whole epochs; / webdataset + DataLoader + PIL (GPU)
     shards_pixels=1.0,                       # shards give the folder's pixels: 1 - mean abs Δ (0..1 units)
@@ -79,7 +79,7 @@ def throughput_targets(res, gpu, W=None):
         if (i := f.get(f'ImageDataLoaders ({workers_name(W)})')) is not None:
             _target(t, f'learn.fit {a}: DaliDataLoaders / ImageDataLoaders ({workers_name(W)})', f['DaliDataLoaders']/i, GOALS['fit_idl'])
         if (v := f.get(ROW_DEFAULT)) is not None:  # what a user who only swaps the class name trains, against fastai's own loop
-            _target(t, f"learn.fit {a}: a Learner's defaults on DaliDataLoaders (FastPathCallback) / fastai's own loop", v/f['DaliDataLoaders'], GOALS['learner_default'])
+            _target(t, f"learn.fit {a}: a Learner's defaults on DaliDataLoaders (DaliFastPathCallback) / fastai's own loop", v/f['DaliDataLoaders'], GOALS['learner_default'])
         if (v := f.get('DaliDataLoaders, RandomResizedCrop + aug_transforms()')) is not None:
             _target(t, f'learn.fit {a}, RandomResizedCrop + aug_transforms(): DaliDataLoaders / model-only', v/f['model only (synthetic batches on the GPU)'], aug_goal)
         # the fast path, eager and with training batches as CUDA graphs, against the plain loop with the same optimizer

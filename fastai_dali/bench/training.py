@@ -22,7 +22,7 @@ ROW_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
 ROW_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
 ROW_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
 ROW_GRAPHS = f'{ROW_FAST}, CudaGraphCallback'  # the fast path with training batches as CUDA graphs
-ROW_DEFAULT = "DaliDataLoaders, a Learner's defaults (FastPathCallback)"  # what a user who only swaps the class name trains
+ROW_DEFAULT = "DaliDataLoaders, a Learner's defaults (DaliFastPathCallback)"  # what a user who only swaps the class name trains
 ROW_PLAIN_GRAPHS = f'{ROW_PLAIN_FUSED}, CUDA graphs'  # its like-for-like ceiling: the plain loop compiled as it compiles the model
 
 # %% ../../nbs/07d_bench_training.ipynb #c019
@@ -52,13 +52,15 @@ def serial_bound(model_img_s, loader_img_s):
     return 1/(1/model_img_s + 1/loader_img_s)
 
 def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None, opt_func=None, fast_path=False):
-    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`); on `DaliDataLoaders` the fast path a Learner takes by default (`FastPathCallback`) only with `fast_path`, so that each row is what it names"
+    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`); on `DaliDataLoaders` the fast path a Learner takes by default (`DaliFastPathCallback`) only with `fast_path`, so that each row is what it names"
     m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
+    own = 'fast_path' in vars(dls)  # (an instance's own setting, or the class's default)
     was = getattr(dls, 'fast_path', None)
     if was is not None: dls.fast_path = fast_path
     try: learn = Learner(dls, m, loss_func=CrossEntropyLossFlat(), **({} if opt_func is None else dict(opt_func=opt_func)))
     finally:
-        if was is not None: dls.fast_path = was
+        if own: dls.fast_path = was
+        elif was is not None: del dls.fast_path
     if channels_last: learn.to_channelslast(amp_mode='bf16' if bf16 else 'fp16')
     elif bf16: learn.to_bf16()
     return learn
@@ -114,8 +116,9 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
 def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None, fast_path=False):
     """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
     if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs))
-    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s (`fast_path`:
-    the Learner as made by default, `FastPathCallback`'s swaps included: what a user who only swaps the class name trains); the
+    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s (with
+    `fast_path`, on `DaliDataLoaders`, the Learner as a user's is made, `DaliFastPathCallback`'s swaps included; without it,
+    the default here, fastai's own loop unless `opt_func`/`cbs` say otherwise); the
     wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False)
     if compile == 'reduce-overhead': cbs = [*cbs, CudaGraphCallback()]  # what a user gets: training batches as CUDA graphs
