@@ -1,4 +1,4 @@
-"""`learn.fit` img/s of what a `Learner` over `DaliDataLoaders` trains by default (`FastPathCallback`: fastai's optimizer's
+"""`learn.fit` img/s of what a `Learner` over `DaliDataLoaders` trains by default (`DaliFastPathCallback`: fastai's optimizer's
 foreach twin and `DeviceLossCallback`), beside fastai's own loop on the same loaders (`dls.fast_path = False`), the
 same path written out (`opt_func=ForeachAdam`, `cbs=DeviceLossCallback()`), the model on synthetic GPU batches, the
 defaults plus `cbs=CudaGraphCallback()`, the plain PyTorch loop graphed (the ceiling), and `ImageDataLoaders`; for
