@@ -169,6 +169,11 @@ def parent_name(o):
     "fastai's `parent_label` of a normalized path `o` (e.g. a `Path`), as string operations (no `Path` made)"
     return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
 
+def _wrapped_obj(f):
+    "The callable object fasttransform wraps in a function of its own (`wrapped_enc`, for an object without a `__name__`, e.g. `ShardLabel`), else `f`"
+    cells = getattr(f, '__closure__', None) or ()
+    return cells[0].cell_contents if getattr(getattr(f, '__code__', None), 'co_name', '') == 'wrapped_enc' and len(cells) == 1 else f
+
 def _labels(items, fns):
     "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), as an iterable, or None where that needs fastai's own pipeline"
     if hasattr(items, 'iloc'):  # a data frame: a `ColReader` of one column reads the column
@@ -180,6 +185,8 @@ def _labels(items, fns):
     if any(isinstance(o, tuple) for o in items[:1]): return None  # (fastai maps a transform over a tuple's parts)
     ys = items
     for j,f in enumerate(fns):   # (lazily: a million labels as one list of strings is ~80 MB more at the peak)
+        # a `get_y` may label all the items at once (`labels_of`: `ShardLabel`, a million shard samples)
+        if j == 0 and hasattr(o := _wrapped_obj(f), 'labels_of'): ys = o.labels_of(items); continue
         ys = map(parent_name if j == 0 and f is parent_label and all(isinstance(o, Path) for o in items) else f, ys)
     return ys
 

@@ -5,6 +5,8 @@
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
 import io, json, os, tarfile, warnings, mmap, contextlib
+from itertools import repeat
+from operator import attrgetter
 import multiprocessing
 import numpy as np
 from concurrent.futures import ThreadPoolExecutor, ProcessPoolExecutor
@@ -15,15 +17,15 @@ from fastcore.basics import *
 from fastcore.meta import delegates
 from fastcore.foundation import L
 from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock
-from fastai.data.transforms import IndexSplitter, RandomSplitter
+from fastai.data.transforms import RandomSplitter
 from fastai.vision.data import ImageBlock
 from .core import *
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
 from .data import *
 
 # %% auto #0
-__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'PARALLEL_MIN', 'TarSample', 'TarSamples', 'read_sample', 'ShardIndex', 'shard_paths',
-           'shard_indexes', 'shard_samples', 'ShardLabel', 'write_shards']
+__all__ = ['IMAGE_EXTS', 'LABEL_EXTS', 'PARALLEL_MIN', 'TarSample', 'TarSamples', 'read_sample', 'ShardImages', 'ShardIndex',
+           'shard_paths', 'shard_indexes', 'shard_samples', 'ShardLabel', 'write_shards']
 
 # %% ../nbs/04d_shards.ipynb #c005
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'tif', 'tiff', 'gif')
@@ -49,13 +51,13 @@ class TarSample:
 class TarSamples:
     "`TarSample`s as columns, as DALI's worker processes each receive them (`PythonSource`): the shards' paths once, and per sample its shard's number, offset, size, key and extension (~30 bytes, not a few hundred)"
     def __init__(self, samples):
-        tars,exts = {},{}
-        self.tar = np.array([tars.setdefault(s.tar, len(tars)) for s in samples], np.int32)
-        self.ext = np.array([exts.setdefault(s.ext, len(exts)) for s in samples], np.int16)
-        self.offset,self.size = np.array([s.offset for s in samples], np.int64),np.array([s.size for s in samples], np.int64)
-        self.keys = '\n'.join(s.key for s in samples)   # (a key holds no white space: see `ShardIndex.scan`)
-        self.starts = np.concatenate([[0], np.cumsum([len(s.key) + 1 for s in samples])]).astype(np.int64)
-        self.tars,self.exts = list(tars),list(exts)
+        n,col = len(samples),lambda a: list(map(attrgetter(a), samples))   # (`map`: no Python loop of ours per sample)
+        codes = lambda vs: (list(d := {v:i for i,v in enumerate(dict.fromkeys(vs))}), map(d.__getitem__, vs))
+        (self.tars,tar),(self.exts,ext),keys = codes(col('tar')),codes(col('ext')),col('key')
+        self.tar,self.ext = np.fromiter(tar, np.int32, n),np.fromiter(ext, np.int16, n)
+        self.offset,self.size = (np.fromiter(map(attrgetter(a), samples), np.int64, n) for a in ('offset', 'size'))
+        self.keys = '\n'.join(keys)   # (a key holds no white space: see `ShardIndex.scan`)
+        self.starts = np.concatenate([[0], np.cumsum(np.fromiter(map(len, keys), np.int64, n) + 1)]).astype(np.int64)
     def __len__(self): return len(self.offset)
     def __getitem__(self, i):
         i = int(i)
@@ -110,11 +112,47 @@ def _ustar_members(tar, tar_size):
             if t in b'\x0007' and not (t == b'\0' and name.endswith('/')): res.append((name, pos + 512, size))  # (`tarfile`'s regular files)
             pos = pos + 512 + (size + 511)//512*512
 
+class ShardImages:
+    "The image member of each sample of a shard that has one, as columns in the tar's order (`keys`, `exts`, `offsets`, `sizes`), and the keys of the samples without one (`imageless`): what `shard_samples` makes items of, kept in the index's sidecar"
+    __slots__ = ('keys', 'exts', 'offsets', 'sizes', 'imageless')
+    def __init__(self, keys, exts, offsets, sizes, imageless): store_attr(store_args=False)   # (lists: JSON's own)
+    def __len__(self): return len(self.keys) + len(self.imageless)
+    @classmethod
+    def of(cls, samples):
+        "The columns of `samples` (`ShardIndex.samples`): each sample's first member in `IMAGE_EXTS`' order"
+        res,imageless = [],[]
+        for key,members in samples.items():
+            ext = next((e for e in IMAGE_EXTS if e in members), None)
+            if ext is None: imageless.append(key)
+            else: res.append((key, ext, *members[ext]))
+        return cls(*(list(c) for c in zip(*res)) if res else ([], [], [], []), imageless)
+    def as_dict(self): return {k: getattr(self, k) for k in self.__slots__}
+
+def _dali_index(idx):
+    "The samples `{key: {ext: (offset, size)}}` of DALI's index file `idx` (as `ShardIndex.write` writes it)"
+    samples = {}
+    for line in Path(idx).read_text().split('\n')[1:]:
+        p = line.split()
+        if not p: continue
+        key = p[3][:-len(p[0])-1]
+        if len(p) == 8: samples[key] = {p[0]: (int(p[1]), int(p[2])), p[4]: (int(p[5]), int(p[6]))}   # (an image and its label: most shards)
+        else: samples[key] = {p[j]: (int(p[j+1]), int(p[j+2])) for j in range(0, len(p), 4)}
+    return samples
+
 class ShardIndex:
-    "The samples of one tar shard, in the tar's order: each key's members `{ext: (offset, size)}`, and the text of its small label members"
-    def __init__(self, tar, samples:dict, texts:dict, size:int=None, mtime_ns:int=None):
-        store_attr()
-    def __len__(self): return len(self.samples)
+    "The samples of one tar shard, in the tar's order: each key's members `{ext: (offset, size)}` (read from DALI's index file `idx` when first asked for), the text of its small label members, and the columns of its images (`ShardImages`)"
+    def __init__(self, tar, samples:dict|None, texts:dict, size:int=None, mtime_ns:int=None, images:ShardImages=None, idx=None):
+        store_attr('tar,texts,size,mtime_ns,idx')
+        self._samples,self._images = samples,images
+    @property
+    def samples(self):
+        if self._samples is None: self._samples = _dali_index(self.idx)
+        return self._samples
+    @property
+    def images(self):
+        if self._images is None: self._images = ShardImages.of(self.samples)
+        return self._images
+    def __len__(self): return len(self.images)
 
     @classmethod
     def scan(cls, tar, fast=True):
@@ -137,30 +175,29 @@ class ShardIndex:
         return cls(tar, samples, texts, st.st_size, st.st_mtime_ns)
 
     def write(self, idx):
-        "Write the index to `idx` in DALI's format (for `fn.readers.webdataset`), and its sidecar `idx.json`"
+        "Write the index to `idx` in DALI's format (for `fn.readers.webdataset`), and its sidecar `idx.json` (the tar's size and time, the label texts, the images' columns)"
         idx = Path(idx)
         lines = [f'v1.2 {len(self.samples)}'] + [' '.join(f'{e} {o} {s} {k}.{e}' for e,(o,s) in c.items()) for k,c in self.samples.items()]
-        side = dict(tar_size=self.size, tar_mtime_ns=self.mtime_ns, by='fastai_dali', samples=len(self.samples), texts=self.texts)
+        side = dict(tar_size=self.size, tar_mtime_ns=self.mtime_ns, by='fastai_dali', samples=len(self.samples), texts=self.texts,
+                    images=self.images.as_dict())
         tmp = idx.with_name(idx.name + f'.{os.getpid()}.tmp')
         tmp.write_text('\n'.join(lines) + '\n'); os.replace(tmp, idx)
         tmp.write_text(json.dumps(side)); os.replace(tmp, idx.with_name(idx.name + '.json'))
 
     @classmethod
     def read(cls, tar, idx):
-        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size, mtime)"
+        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size, mtime); DALI's index file itself is read only if its `samples` are asked for"
         idx = Path(idx); side = idx.with_name(idx.name + '.json')
         try: meta = json.loads(side.read_text()); st = os.stat(tar)
         except (OSError, ValueError): return None
         if meta.get('by') != 'fastai_dali' or (meta['tar_size'], meta['tar_mtime_ns']) != (st.st_size, st.st_mtime_ns): return None
-        samples = {}
-        for line in idx.read_text().split('\n')[1:]:
-            p = line.split()
-            if not p: continue
-            key = p[3][:-len(p[0])-1]
-            if len(p) == 8: samples[key] = {p[0]: (int(p[1]), int(p[2])), p[4]: (int(p[5]), int(p[6]))}   # (an image and its label: most shards)
-            else: samples[key] = {p[j]: (int(p[j+1]), int(p[j+2])) for j in range(0, len(p), 4)}
-        if len(samples) != meta['samples']: return None
-        return cls(str(tar), samples, meta['texts'], st.st_size, st.st_mtime_ns)
+        res = cls(str(tar), None, meta['texts'], st.st_size, st.st_mtime_ns, idx=idx)
+        if 'images' in meta: res._images = ShardImages(**meta['images'])  # (a sidecar of an earlier version: from DALI's file)
+        if not idx.exists(): return None   # (DALI's file gone)
+        try: n = len(res)
+        except (OSError, ValueError, IndexError): return None
+        return res if n == meta['samples'] else None
+
 
 # %% ../nbs/04d_shards.ipynb #c011
 def shard_paths(paths):
@@ -207,26 +244,23 @@ def shard_indexes(paths, cache_dir=None, num_threads:int=None):
     return [ix for ix,_ in res]
 
 # %% ../nbs/04d_shards.ipynb #c014
-def _image_ext(members):
-    for e in IMAGE_EXTS:
-        if e in members: return e
-
 def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls'):
     "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
     res,skipped = [],[]
     for ix in shard_indexes(paths, cache_dir, num_threads):
-        texts = ix.texts
-        for key,members in ix.samples.items():
-            ext = _image_ext(members)
-            if ext is None:
-                if on_error == 'skip': skipped.append(f'{ix.tar}:{key}'); continue
-                raise ValueError(f"{ix.tar}: sample {key!r} has no image (members: {', '.join(sorted(members))}; "
-                                 f"images are one of {', '.join(IMAGE_EXTS)})")
-            t = texts.get(key)
-            res.append(TarSample(ix.tar, key, ext, *members[ext], None if t is None else t.get(label), label))
+        im,texts = ix.images,ix.texts
+        if im.imageless and on_error == 'skip': skipped += [f'{ix.tar}:{k}' for k in im.imageless]
+        elif im.imageless:
+            key = im.imageless[0]
+            raise ValueError(f"{ix.tar}: sample {key!r} has no image (members: {', '.join(sorted(ix.samples[key]))}; "
+                             f"images are one of {', '.join(IMAGE_EXTS)})")
+        labels = [t.get(label) if (t := texts.get(k)) is not None else None for k in im.keys]
+        # (a million samples: `map` makes them without a Python loop of ours)
+        res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
     return L(res)
+
 
 # %% ../nbs/04d_shards.ipynb #c016
 class ShardLabel:
@@ -240,6 +274,13 @@ class ShardLabel:
         v = self._value(s)
         if self.get_y is None: self._memo[s.label] = v
         return v
+    def labels_of(self, samples):
+        "The labels of `samples` as `map(self, samples)` gives them, each label text computed once, with no call per sample (a million samples share a thousand labels); an error names its sample as `self(s)` does"
+        if self.get_y is not None or set(map(attrgetter('label_ext'), samples)) - {self.label}: return map(self, samples)
+        texts = lambda: map(attrgetter('label'), samples)   # (no list of them: a million strings is ~80 MB more at the peak)
+        try: vals = {t: self(TarSample('', '', '', 0, 0, t, self.label)) for t in set(texts())}
+        except ValueError: return list(map(self, samples))   # (which raises naming the first sample of a bad label)
+        return map(vals.__getitem__, texts())
     def _value(self, s):
         if s.label_ext != self.label:
             raise ValueError(f"{s.tar}: sample {s.key!r} was read with its .{s.label_ext} member as its label, and these loaders "
@@ -264,14 +305,14 @@ def _vocab_file(tars):
 def _train_vocab(items, train, get_y, multi_label):
     "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
     items = items.items if isinstance(items, L) else items   # (its list's own indexing: fastcore's `L` checks each index)
-    ys = set().union(*(get_y(items[i]) for i in train)) if multi_label else {get_y(items[i]) for i in train}
+    ys = get_y.labels_of([items[i] for i in train])
+    ys = set().union(*ys) if multi_label else set(ys)
     return sorted(y for y in ys if y == y)   # (fastai's `CategoryMap` leaves out NaN)
 
 def _check_labels(items, get_y, vocab, multi_label):
     "Raise naming the first sample whose label is not in the given `vocab` (fastai's own error names no item)"
     known = set(vocab)
-    for s in items:
-        y = get_y(s)
+    for s,y in zip(items, get_y.labels_of(items)):
         if any(o not in known for o in (y if multi_label else [y])):
             raise ValueError(f"{s.tar}: sample {s.key!r} has the label {y!r}, which is not in the vocab given ({list(vocab)[:10]}"
                              f"{'...' if len(known) > 10 else ''})")
@@ -292,7 +333,8 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
     gy = ShardLabel(label, get_y, names)
     if multi_label is None: multi_label = len(tr) > 0 and isinstance(gy(tr[0]), (list, tuple))
     items = tr + va
-    splits = (IndexSplitter(range(len(tr), len(items))) if valid is not None else RandomSplitter(valid_pct, seed=seed))(items)
+    # (given validation shards: fastai's `IndexSplitter`'s split, as ranges; it takes seconds to compute at a million samples)
+    splits = [range(len(tr)), range(len(tr), len(items))] if valid is not None else RandomSplitter(valid_pct, seed=seed)(items)
     if vocab is not None: _check_labels(items, gy, vocab, multi_label)
     elif on_error == 'raise': vocab = _train_vocab(items, splits[0], gy, multi_label)  # (skipping: fastai's, of the images kept)
     blk = MultiCategoryBlock(vocab=vocab) if multi_label else CategoryBlock(vocab=vocab)
