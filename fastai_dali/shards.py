@@ -115,7 +115,8 @@ def _ustar_members(tar, tar_size):
 class ShardImages:
     "The image member of each sample of a shard that has one, as columns in the tar's order (`keys`, `exts`, `offsets`, `sizes`), and the keys of the samples without one (`imageless`): what `shard_samples` makes items of, kept in the index's sidecar"
     __slots__ = ('keys', 'exts', 'offsets', 'sizes', 'imageless')
-    def __init__(self, keys, exts, offsets, sizes, imageless): store_attr(store_args=False)   # (lists: JSON's own)
+    def __init__(self, keys, exts, offsets, sizes, imageless):   # (lists: JSON's own)
+        self.keys,self.exts,self.offsets,self.sizes,self.imageless = keys,exts,offsets,sizes,imageless
     def __len__(self): return len(self.keys) + len(self.imageless)
     @classmethod
     def of(cls, samples):

@@ -1,7 +1,8 @@
 """CUDA graphs without `torch.compile`: what capturing the model's own (eager) kernels gives, beside the compiled graphs
 `CudaGraphCallback` replays, in fastai's loop and in a plain loop; and where the plain loop's kernels go (a trace).
 
-Rows (img/s, one epoch a round, `fit_rounds`: a warm-up epoch, then 2 rounds, the median; bf16, channels_last, bs 128,
+Rows (img/s; each row in a process of its own, so that a capture that crashes costs that row only: a warm-up epoch,
+then 2 timed ones, the median; bf16, channels_last, bs 128,
 224 px, 10,000 JPEGs of `make_bench_dataset`, random init):
 - `learn.fit` on DaliDataLoaders with a Learner's defaults (the fast path), alone; with `EagerGraphs` (below); with
   `CudaGraphCallback` (forward and backward compiled, mode 'reduce-overhead');
@@ -27,7 +28,7 @@ from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoa
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import CudaGraphCallback
 from fastai_dali.demo import make_bench_dataset
-from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, fit_rounds, SyntheticDL, ROW_DEFAULT
+from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
 sys.path.insert(0, os.path.dirname(__file__))
 from trace_kernel_split import split
 
@@ -67,8 +68,8 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None):
             for _ in range(3):
                 opt.zero_grad(set_to_none=True)
                 with ac(): loss = lf(m(sx), sy)
-                loss.backward(); opt.step()
-        torch.cuda.current_stream().wait_stream(s)
+                loss.backward(); opt.step(); del loss   # (no autograd graph kept alive into the capture)
+        torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph(); opt.zero_grad(set_to_none=True)
         with torch.cuda.graph(g):
             with ac(): sloss = lf(m(sx), sy)
@@ -102,48 +103,59 @@ def trace(fn, epoch_fn, n=20):
     return dict(ms_per_batch={k: round(v, 3) for k,v in ms.items()}, kernels_per_batch={k: round(v, 1) for k,v in cnt.items()},
                 other={k: round(v, 3) for k,v in other.most_common(6)}, total_ms=round(sum(ms.values()), 3))
 
-def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000'):
-    make_bench_dataset(root, 10000)
+LIMIT = 'plain loop, synthetic, compiled graphs (the limit)'
+OWN = "DaliDataLoaders, fastai's own loop (dls.fast_path=False)"
+ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraphCallback', LIMIT,
+        'plain loop, synthetic, eager kernels as graphs', 'plain loop, synthetic, whole step one graph',
+        'plain loop, DaliDataLoaders, whole step one graph', OWN)
+TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
+
+def one_row(out, a, k, root, epochs=3):
+    "Row `k` for arch `a` in this process: a warm-up epoch, then `epochs`-1 timed ones, as a JSON line (a trace of 20 batches instead where `k` is in `TRACES`)"
+    import faulthandler; faulthandler.enable()
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device='cuda')
     dls = DaliDataLoaders.from_folder(root, **kw)
-    res = {'torch': torch.__version__, 'gpu': torch.cuda.get_device_name()}
-    LIMIT = 'plain loop, synthetic, compiled graphs (the limit)'
-    for a in archs.split(','):
-        t = time.time(); arch = getattr(models, a)
-        sdl = SyntheticDL(bs=128, size=224, n_batches=len(dls.train), c=dls.c, device='cuda')
-        rows = {ROW_DEFAULT: lambda: fit_epochs(dls, arch, dls.c, fast_path=True),
-                f'{ROW_DEFAULT} + EagerGraphs': lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[EagerGraphs()]),
-                f'{ROW_DEFAULT} + CudaGraphCallback': lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()]),
-                LIMIT: lambda: torch_loop_epochs(sdl, arch, dls.c, opt='adamw_fused', graphs=True),
-                'plain loop, synthetic, eager kernels as graphs': lambda: plain_graphed(sdl, arch, dls.c),
-                'plain loop, synthetic, whole step one graph': lambda: plain_graphed(sdl, arch, dls.c, whole_step=True),
-                'plain loop, DaliDataLoaders, whole step one graph': lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True)}
-        ok = {}
-        for k,f in rows.items():   # (a row that fails to build is reported, not fatal)
-            try: ep = f(); ok[k] = (lambda e: lambda: e)(ep)
-            except Exception: res.setdefault('errors', {})[f'{a}: {k}'] = traceback.format_exc()[-2000:]; print(f'{a}: {k} FAILED\n{traceback.format_exc()[-1500:]}', flush=True)
-        wrapped = {}
-        for k,mk in ok.items():
-            ep = mk()
-            def safe(ep=ep, k=k):
-                try: return ep()
-                except Exception: print(f'{a}: {k} FAILED in an epoch\n{traceback.format_exc()[-1500:]}', flush=True); return float('nan')
-            wrapped[k] = (lambda s: lambda: s)(safe)
-        med,runs = fit_rounds(wrapped, epochs=3)
-        res[a] = dict(median=med, rounds=runs, seconds=time.time()-t)
-        lim = med.get(LIMIT, float('nan'))
-        print(f"\n### {a} ({time.time()-t:.0f} s)\n\n| row | img/s | rounds | ÷ the limit |\n|---|---:|---:|---:|")
-        for k,v in med.items(): print(f"| {k} | {v:,.0f} | {' / '.join(f'{x:,.0f}' for x in runs[k])} | {v/lim:.2f} |", flush=True)
-        json.dump(res, open(f'{out}/graphs_without_compile.json', 'w'), indent=1)
-        if a != 'resnet18': continue
-        tr = res['traces'] = {}
-        for name,mk in {'plain_compiled': lambda: torch_loop_epochs(SyntheticDL(bs=128, size=224, n_batches=20, c=dls.c, device='cuda'), arch, dls.c, opt='adamw_fused', graphs=True),
-                        'plain_whole_step': lambda: plain_graphed(SyntheticDL(bs=128, size=224, n_batches=20, c=dls.c, device='cuda'), arch, dls.c, whole_step=True),
-                        'plain_eager_graphs': lambda: plain_graphed(SyntheticDL(bs=128, size=224, n_batches=20, c=dls.c, device='cuda'), arch, dls.c)}.items():
-            try:
-                ep = mk(); ep(); ep()   # (warm: compiled, captured)
-                tr[name] = trace(f'{out}/trace_{a}_{name}.json.gz', ep, 20); print(name, json.dumps(tr[name]), flush=True)
-            except Exception: print(f'trace {name} FAILED\n{traceback.format_exc()[-1500:]}', flush=True)
-        json.dump(res, open(f'{out}/graphs_without_compile.json', 'w'), indent=1)
+    arch = getattr(models, a)
+    sdl = SyntheticDL(bs=128, size=224, n_batches=20 if k in TRACES else len(dls.train), c=dls.c, device='cuda')
+    make = {ROWS[0]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True),
+            ROWS[1]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[EagerGraphs()]),
+            ROWS[2]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()]),
+            LIMIT: lambda: torch_loop_epochs(sdl, arch, dls.c, opt='adamw_fused', graphs=True),
+            ROWS[4]: lambda: plain_graphed(sdl, arch, dls.c),
+            ROWS[5]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True),
+            ROWS[6]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True),
+            OWN: lambda: fit_epochs(dls, arch, dls.c)}
+    if k in TRACES:
+        ep = make[TRACES[k]](); ep(); ep()
+        r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
+    else:
+        ep = make[k](); runs = [ep() for _ in range(epochs)]
+        r = dict(arch=a, row=k, runs=runs[1:], median=float(sorted(runs[1:])[len(runs[1:])//2]) if len(runs) > 2 else runs[-1])
+    print(json.dumps(r), flush=True)
 
-if __name__ == '__main__': main(*sys.argv[1:])
+def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', rows=None):
+    "Each row (and for resnet18 each trace) in a process of its own: a crash (a capture that fails) costs that row only"
+    import subprocess
+    make_bench_dataset(root, 10000)
+    fn = f'{out}/graphs_without_compile.json'
+    res = json.load(open(fn)) if os.path.exists(fn) else {'torch': torch.__version__, 'gpu': torch.cuda.get_device_name()}
+    for a in archs.split(','):
+        for k in [r for r in ROWS if rows is None or str(ROWS.index(r)) in rows.split(',')] + list(TRACES if a == 'resnet18' and traces == '1' else ()):
+            t = time.time()
+            p = subprocess.run([sys.executable, __file__, '--row', out, a, k, root], capture_output=True, text=True)
+            line = next((l for l in p.stdout.splitlines()[::-1] if l.startswith('{')), None)
+            if line is None:
+                err = '\n'.join(l for l in p.stderr.splitlines() if 'nvjpeg2k' not in l and 'nvtiff' not in l and 'warn' not in l.lower())[-1500:]
+                res.setdefault('errors', {})[f'{a}: {k}'] = err; print(f'{a}: {k} FAILED (rc {p.returncode})\n{err}', flush=True)
+            else:
+                r = json.loads(line); res.setdefault(a, {})[k] = r; print(f'{time.time()-t:.0f} s', line, flush=True)
+            json.dump(res, open(fn, 'w'), indent=1)
+        if a in res:
+            lim = res[a].get(LIMIT, {}).get('median', float('nan'))
+            print(f"\n### {a}\n\n| row | img/s | epochs | ÷ the limit |\n|---|---:|---:|---:|")
+            for k,r in res[a].items():
+                if 'median' in r: print(f"| {k} | {r['median']:,.0f} | {' / '.join(f'{x:,.0f}' for x in r['runs'])} | {r['median']/lim:.2f} |", flush=True)
+
+if __name__ == '__main__':
+    if sys.argv[1] == '--row': one_row(*sys.argv[2:])
+    else: main(*sys.argv[1:])
