@@ -25,7 +25,8 @@ from .distributed import *  # under fastai's distrib_ctx each process gets its s
 from . import training as _training  # registers `DaliFastPathCallback`: a Learner made over these loaders takes the fast path
 
 # %% auto #0
-__all__ = ['check_image_folder', 'GivenSplits', 'DaliDataLoaders', 'image_files', 'grandparent_splits', 'ZipMember']
+__all__ = ['check_image_folder', 'GivenSplits', 'split_slices', 'DaliDataLoaders', 'image_files', 'grandparent_splits',
+           'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
 def _has_image(p):
@@ -90,21 +91,24 @@ class GivenSplits:
     "A `DataBlock` splitter that gives `splits`, computed beforehand for the items it is given"
     def __init__(self, splits): self.splits = splits
     def __call__(self, items): return self.splits
-    def slices(self):
-        "The splits as `slice`s where each one is a run of consecutive indices (a folder's train and valid, shards' train and valid), else None"
-        res = []
-        for s in self.splits:
-            if isinstance(s, range) and s.step == 1: res.append(slice(s.start, max(s.start, s.stop))); continue
-            a = np.asarray(s, dtype=np.int64)
-            if len(a) and (a[-1] - a[0] + 1 != len(a) or (np.diff(a) != 1).any()): return None
-            res.append(slice(int(a[0]), int(a[-1]) + 1) if len(a) else slice(0, 0))
-        return res
+
+def split_slices(splits):
+    "`splits` as `slice`s where each one is a run of consecutive indices (a folder's train and valid, shards' train and valid), else None (e.g. a random split, a boolean mask)"
+    res = []
+    for s in splits:
+        if isinstance(s, slice): res.append(s); continue
+        if isinstance(s, range) and s.step == 1: res.append(slice(s.start, max(s.start, s.stop))); continue
+        a = np.asarray(s)
+        if len(a) and (a.dtype.kind not in 'iu' or a[-1] - a[0] + 1 != len(a) or (np.diff(a) != 1).any()): return None
+        res.append(slice(int(a[0]), int(a[-1]) + 1) if len(a) else slice(0, 0))
+    return res
 
 def _datasets(dblock, source):
     "`dblock.datasets(source)`, with splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s: fastai turns a list of indices into Python ints again in every subset it takes (seconds at a million items), and a slice it takes as it is"
-    sl = dblock.splitter.slices() if isinstance(dblock.splitter, GivenSplits) else None
-    if sl is None: return dblock.datasets(source)
-    return Datasets((dblock.get_items or noop)(source), tfms=dblock._combine_type_tfms(), splits=sl, dl_type=dblock.dl_type, n_inp=dblock.n_inp)
+    dblock.source = source   # (as fastai's `datasets` keeps it)
+    items = (dblock.get_items or noop)(source)
+    splits = (dblock.splitter or RandomSplitter())(items)
+    return Datasets(items, tfms=dblock._combine_type_tfms(), splits=split_slices(splits) or splits, dl_type=dblock.dl_type, n_inp=dblock.n_inp)
 
 
 # %% ../nbs/04_data.ipynb #c011

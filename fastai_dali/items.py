@@ -21,7 +21,7 @@ from fastai.vision.core import PILBase, PILMask, TensorPoint
 from .core import *
 from .formats import *
 from .errors import *
-from .sources import checked_image, ShardSource
+from .sources import checked_image, ShardSource, FnSource
 
 # %% auto #0
 __all__ = ['wrapped_fn', 'dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged',
@@ -105,28 +105,29 @@ def packed(items):
     pack = getattr(type(items[0]), 'dali_pack', None) if len(items) else None
     return pack(items) if callable(pack) and all(type(o) is type(items[0]) for o in items) else items
 
-class PythonSource:
+def _plain_fn(t):
+    "The function a plain fastai `Transform` wraps (a `get_y` such as `parent_label`, `RegexLabeller`, `ColReader`), or None"
+    if type(t) is not Transform or t.split_idx is not None: return None
+    ms = getattr(getattr(t, 'encodes', None), 'methods', [])
+    return ms[0].implementation if len(ms) == 1 and tuple(ms[0].signature.types) in ((), (Any,), (object,)) else None
+
+def _wrapped_obj(f):
+    "The callable object fasttransform wraps in a function of its own (`wrapped_enc`, for an object without a `__name__`, e.g. `ShardLabel`), else `f`"
+    cells = getattr(f, '__closure__', None) or ()
+    return cells[0].cell_contents if getattr(getattr(f, '__code__', None), 'co_name', '') == 'wrapped_enc' and len(cells) == 1 else f
+
+class PythonSource(FnSource):
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
     def __init__(self, items, tfms, mode='RGB'):
-        store_attr(store_args=False)  # (not fastcore's `__stored_args__`: the items would go to DALI's workers twice)
-        self.items = packed(items)
         from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
-        self.load_truncated = ImageFile.LOAD_TRUNCATED_IMAGES
-    def __len__(self): return len(self.items)
-    def name(self, i):
-        "How errors name item `i`: with its whole path when it is one"
-        o = self.items[i]
-        whole = o if isinstance(o, (str, Path)) else getattr(o, 'item_name', None)  # (e.g. a shard's sample: its tar and key)
-        return f'item {i} ({o!r:.60})' if whole is None else f'item {i} ({whole})'
-    def encoded(self, i):
-        "The encoded image `get_x` gives for item `i`"
-        x = compose_tfms(self.items[i], tfms=self.tfms) if self.tfms else self.items[i]
-        return Path(x).read_bytes() if isinstance(x, (str, Path)) else x
-    def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
+        super().__init__(packed(items), None, mode, ImageFile.LOAD_TRUNCATED_IMAGES)
+        self.tfms = tfms
+    def _x(self, o): return compose_tfms(o, tfms=self.tfms) if self.tfms else o
+
 
 # %% ../nbs/03c_items.ipynb #c009
 def x_sources(ds):
-    "Paths of the items of `ds` for DALI's reader, a `PythonSource` when `get_x` gives bytes, or `None` (fastai loads them)"
+    "Paths of the items of `ds` for DALI's reader, a source of encoded images when `get_x` gives bytes (`FnSource` for a plain function, `PythonSource` for fastai's transforms), or `None` (fastai loads them)"
     items,pre = _x_pipeline(ds)
     x = lambda o: compose_tfms(o, tfms=pre) if pre else o
     if not items: return []
@@ -134,7 +135,13 @@ def x_sources(ds):
     if isinstance(x0, (bytes, bytearray, memoryview)):
         # a `get_x` may name the source that reads its items without it in DALI's workers (`read_sample`: `ShardSource`)
         own = getattr(wrapped_fn(pre[0]), 'dali_source', None) if len(pre) == 1 else None
-        return (own and own(items, pil_mode(ds))) or PythonSource(items, pre, pil_mode(ds))
+        if own and (s := own(items, pil_mode(ds))): return s
+        # a plain function (no fastai types to dispatch on, not over a tuple's parts) runs in DALI's workers as it is: they
+        # import its module, not fastai and torch (seconds for each worker)
+        fn = _plain_fn(pre[0]) if len(pre) == 1 and not isinstance(items[0], tuple) else None
+        if fn is None: return PythonSource(items, pre, pil_mode(ds))
+        from PIL import ImageFile
+        return FnSource(packed(list(items)), _wrapped_obj(fn), pil_mode(ds), ImageFile.LOAD_TRUNCATED_IMAGES)
     if not isinstance(x0, (str, Path)): return None
     res = [x(o) for o in items]
     bad = next((o for o in res if not isinstance(o, (str, Path))), None)
@@ -159,20 +166,9 @@ def _encode(tl, i, files):
     try: return torch.as_tensor(tl[i]).as_subclass(torch.Tensor)
     except KeyError as e: raise _not_in_vocab(tl, files[i], e.args[0]) from None   # (the item named only then)
 
-def _plain_fn(t):
-    "The function a plain fastai `Transform` wraps (a `get_y` such as `parent_label`, `RegexLabeller`, `ColReader`), or None"
-    if type(t) is not Transform or t.split_idx is not None: return None
-    ms = getattr(getattr(t, 'encodes', None), 'methods', [])
-    return ms[0].implementation if len(ms) == 1 and tuple(ms[0].signature.types) in ((), (Any,), (object,)) else None
-
 def parent_name(o):
     "fastai's `parent_label` of a normalized path `o` (e.g. a `Path`), as string operations (no `Path` made)"
     return p[-2] if len(p := os.fspath(o).rsplit(os.sep, 2)) > 1 else ''
-
-def _wrapped_obj(f):
-    "The callable object fasttransform wraps in a function of its own (`wrapped_enc`, for an object without a `__name__`, e.g. `ShardLabel`), else `f`"
-    cells = getattr(f, '__closure__', None) or ()
-    return cells[0].cell_contents if getattr(getattr(f, '__code__', None), 'co_name', '') == 'wrapped_enc' and len(cells) == 1 else f
 
 def _labels(items, fns):
     "`fns` applied in turn to every item of `items` (a list, or a data frame's rows for a `ColReader`), as an iterable, or None where that needs fastai's own pipeline"
@@ -300,7 +296,7 @@ class DaliInputs:
         "What DALI reads for dataset `ds` (its labels computed here), or None when its items are not images DALI can read"
         src = x_sources(ds)
         if src is None: return None
-        if isinstance(src, (PythonSource, ShardSource)):
+        if isinstance(src, (FnSource, ShardSource)):   # (a `PythonSource` is an `FnSource`)
             names = ItemNames(src)
             return cls(python=src, targets=y_targets(ds, names), names=names, types=target_types(ds))
         targets = y_targets(ds, src)  # (label errors before the files' check)

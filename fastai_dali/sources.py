@@ -11,8 +11,8 @@ from multiprocessing.util import Finalize
 from fastcore.basics import *
 
 # %% auto #0
-__all__ = ['EpochFlag', 'pack_bytes', 'jpeg_ends', 'checked_image', 'read_member', 'ShardSource', 'EpochSource',
-           'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
+__all__ = ['EpochFlag', 'pack_bytes', 'jpeg_ends', 'checked_image', 'read_member', 'read_file_bytes', 'FnSource', 'ShardSource',
+           'EpochSource', 'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -132,6 +132,27 @@ def read_member(tar, offset:int, size:int, name):
     b = os.pread(_fd(tar), size, offset)
     if len(b) != size: raise OSError(f"{name}: the shard ends {size-len(b)} bytes before this member does (truncated?)")
     return b
+
+def read_file_bytes(f):
+    "The bytes of file `f`: the plainest `get_x` giving encoded images (DALI's workers run it importing this module only)"
+    with open(f, 'rb') as fh: return fh.read()
+
+class FnSource:
+    "The encoded image the plain function `fn` (a `get_x` returning bytes) gives for item `i`, checked (`checked_image`): what DALI's worker processes run for such a `get_x`, importing `fn`'s own module and not fastai"
+    def __init__(self, items, fn, mode='RGB', load_truncated=False):
+        self.items,self.fn,self.mode,self.load_truncated = items,fn,mode,load_truncated
+    def __len__(self): return len(self.items)
+    def name(self, i):
+        "How errors name item `i`: with its whole path when it is one"
+        o = self.items[i]
+        whole = o if isinstance(o, (str, os.PathLike)) else getattr(o, 'item_name', None)  # (e.g. a shard's sample: its tar and key)
+        return f'item {i} ({o!r:.60})' if whole is None else f'item {i} ({whole})'
+    def _x(self, o): return self.fn(o)
+    def encoded(self, i):
+        "The encoded image `get_x` gives for item `i` (a file's, where it gives a path)"
+        x = self._x(self.items[i])
+        return open(x, 'rb').read() if isinstance(x, (str, os.PathLike)) else x
+    def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
 
 class ShardSource:
     "The encoded image of item `i` of tar shards' samples (`samples`: `TarSamples`, whose columns it keeps), read by offset and checked (`checked_image`): `from_shards`' `get_x` as DALI's worker processes run it"

@@ -7,8 +7,9 @@ the tests share one `DaliDataLoaders` (module fixture) whose train and valid pip
 them (`get_preds(dl=dd.valid)`, the callback file of `dd.valid`)."""
 import gc, os, zipfile
 import pytest, torch
+from pathlib import Path
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, FuncSplitter, Resize, vision_learner, resnet18,
-                               accuracy)
+                               accuracy, Transform, get_image_files, parent_label, GrandparentSplitter)
 from fastai_dali.data import ZipMember  # and DataBlock.dali_dataloaders
 from conftest import make_noise_folder, build_at_once
 from conftest import DEVICE, plain
@@ -152,3 +153,29 @@ def test_workers_leave_ctrl_c_to_the_main_process():
     assert load is _load_pickled
     with multiprocessing.get_context('spawn').Pool(1) as pool: assert pool.apply(_sigint_after_load, (fn,)) == (3, True)
     assert _load_pickled(fn).v == 3 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+class ReadBytes(Transform):
+    "A fastai `Transform` giving a file's bytes (typed: it goes to DALI's workers as fastai's pipeline)"
+    def encodes(self, f:Path): return f.read_bytes()
+
+def test_plain_get_x_workers_import_neither_torch_nor_fastai(tmp_path):
+    "A `get_x` that is a plain function reaches DALI's workers as an `FnSource`: they unpickle it and read the items without importing torch or fastai (each took seconds with them), the bytes the file's; a typed fastai `Transform` still goes as fastai's pipeline (`PythonSource`)"
+    import hashlib, subprocess, sys
+    from fastai_dali.sources import EpochSource, FnSource, read_file_bytes
+    from fastai_dali.items import PythonSource
+    root = make_noise_folder(tmp_path/'data', 6, 3, seed=3)
+    blk = lambda gx: DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=gx, get_y=parent_label,
+                               splitter=GrandparentSplitter(), item_tfms=Resize(8))
+    dls = blk(read_file_bytes).dali_dataloaders(root, bs=2, device=DEVICE, py_workers=1)
+    src = dls.train.dali_inputs().python
+    assert type(src) is FnSource and src.fn is read_file_bytes, type(src)
+    es = EpochSource(src, len(src), 2)
+    load,(fn,) = es.__reduce__()  # (what DALI's workers receive: a file of the pickled source, while `es` lives)
+    code = (f"import sys, hashlib; from fastai_dali.sources import {load.__name__}; s = {load.__name__}({fn!r}).src; "
+            "print(len(s), hashlib.md5(bytes(s[5])).hexdigest(), 'torch' in sys.modules, 'fastai' in sys.modules)")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ['6', hashlib.md5(Path(dls.train.items[5]).read_bytes()).hexdigest(), 'False', 'False'], r.stdout
+    typed = blk(ReadBytes()).dali_dataloaders(root, bs=2, device=DEVICE, py_workers=1).train.dali_inputs().python
+    assert type(typed) is PythonSource, type(typed)
+    assert bytes(typed[5]) == bytes(src[5])

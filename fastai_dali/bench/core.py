@@ -17,8 +17,8 @@ _all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.dem
 # %% auto #0
 __all__ = ['ROW_RAW', 'IDL_ROW_RE', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'fit_workers',
            'md_table', 'show_markdown', 'labelled_bar', 'bench_loaders', 'round_ratio', 'compare_loaders',
-           'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'read_file_bytes',
-           'workers_name', 'fastest_workers', 'gpu_memory_mb', 'time_loader']
+           'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'workers_name',
+           'fastest_workers', 'gpu_memory_mb', 'time_loader']
 
 # %% ../../nbs/07a_bench_core.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):
@@ -200,7 +200,7 @@ def decode_only_loader(files, bs=128, device=None, num_threads=None, hw_decoder_
 # %% ../../nbs/07a_bench_core.ipynb #c85270c8
 ROW_RAW = 'raw DALI (hand-written: decode, resize, crop, normalize)'
 
-def read_file_bytes(f): return Path(f).read_bytes()
+from ..sources import read_file_bytes   # (a plain function in a module without fastai: DALI's workers import only that, as for a notebook's own `get_x`)
 
 def workers_name(w): return f"{w} worker{'' if w == 1 else 's'}"
 IDL_ROW_RE = re.compile(r'^ImageDataLoaders train \((\d+) workers?\)$')
