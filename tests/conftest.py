@@ -459,3 +459,15 @@ def _as_batch(rec):
     x[:, 0, 0, 0] = torch.tensor([i % 256 for i in ids])/255
     x[:, 1, 0, 0] = torch.tensor([i // 256 for i in ids])/255
     return x, torch.tensor(ys)
+
+def seen_by_a_worker(src, i, bs=2):
+    "What one of DALI's worker processes sees of the per-batch source `src` (an `EpochSource` over it, pickled as the workers receive it: a file): its length, the md5 of item `i`'s bytes, and whether torch and fastai got imported (as strings)"
+    import hashlib, subprocess, sys
+    from fastai_dali.sources import EpochSource
+    es = EpochSource(src, len(src), bs)
+    load,(fn,) = es.__reduce__()  # (the file lives while `es` does)
+    code = (f"import sys, hashlib; from fastai_dali.sources import {load.__name__}; s = {load.__name__}({fn!r}).src; "
+            f"print(len(s), hashlib.md5(bytes(s[{i}])).hexdigest(), 'torch' in sys.modules, 'fastai' in sys.modules)")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.split()

@@ -160,8 +160,9 @@ class ReadBytes(Transform):
 
 def test_plain_get_x_workers_import_neither_torch_nor_fastai(tmp_path):
     "A `get_x` that is a plain function reaches DALI's workers as an `FnSource`: they unpickle it and read the items without importing torch or fastai (each took seconds with them), the bytes the file's; a typed fastai `Transform` still goes as fastai's pipeline (`PythonSource`)"
-    import hashlib, subprocess, sys
-    from fastai_dali.sources import EpochSource, FnSource, read_file_bytes
+    import hashlib
+    from fastai_dali.sources import FnSource, read_file_bytes
+    from conftest import seen_by_a_worker
     from fastai_dali.items import PythonSource
     root = make_noise_folder(tmp_path/'data', 6, 3, seed=3)
     blk = lambda gx: DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=gx, get_y=parent_label,
@@ -169,13 +170,7 @@ def test_plain_get_x_workers_import_neither_torch_nor_fastai(tmp_path):
     dls = blk(read_file_bytes).dali_dataloaders(root, bs=2, device=DEVICE, py_workers=1)
     src = dls.train.dali_inputs().python
     assert type(src) is FnSource and src.fn is read_file_bytes, type(src)
-    es = EpochSource(src, len(src), 2)
-    load,(fn,) = es.__reduce__()  # (what DALI's workers receive: a file of the pickled source, while `es` lives)
-    code = (f"import sys, hashlib; from fastai_dali.sources import {load.__name__}; s = {load.__name__}({fn!r}).src; "
-            "print(len(s), hashlib.md5(bytes(s[5])).hexdigest(), 'torch' in sys.modules, 'fastai' in sys.modules)")
-    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ['6', hashlib.md5(Path(dls.train.items[5]).read_bytes()).hexdigest(), 'False', 'False'], r.stdout
+    assert seen_by_a_worker(src, 5) == ['6', hashlib.md5(Path(dls.train.items[5]).read_bytes()).hexdigest(), 'False', 'False']
     typed = blk(ReadBytes()).dali_dataloaders(root, bs=2, device=DEVICE, py_workers=1).train.dali_inputs().python
     assert type(typed) is PythonSource, type(typed)
     assert bytes(typed[5]) == bytes(src[5])
