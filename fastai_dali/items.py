@@ -119,8 +119,7 @@ def _wrapped_obj(f):
 class PythonSource(FnSource):
     "The encoded image of item `i`, computed by fastai's x transforms (e.g. a `get_x` returning bytes)"
     def __init__(self, items, tfms, mode='RGB'):
-        from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
-        super().__init__(packed(items), None, mode, ImageFile.LOAD_TRUNCATED_IMAGES)
+        super().__init__(packed(items), None, mode)
         self.tfms = tfms
     def _x(self, o): return compose_tfms(o, tfms=self.tfms) if self.tfms else o
 
@@ -140,8 +139,7 @@ def x_sources(ds):
         # import its module, not fastai and torch (seconds for each worker)
         fn = _plain_fn(pre[0]) if len(pre) == 1 and not isinstance(items[0], tuple) else None
         if fn is None: return PythonSource(items, pre, pil_mode(ds))
-        from PIL import ImageFile
-        return FnSource(packed(list(items)), _wrapped_obj(fn), pil_mode(ds), ImageFile.LOAD_TRUNCATED_IMAGES)
+        return FnSource(packed(list(items)), _wrapped_obj(fn), pil_mode(ds))
     if not isinstance(x0, (str, Path)): return None
     res = [x(o) for o in items]
     bad = next((o for o in res if not isinstance(o, (str, Path))), None)

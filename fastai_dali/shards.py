@@ -72,8 +72,7 @@ def read_sample(o):
 def _shard_source(items, mode):
     "What DALI's worker processes read `items` with when they are all `TarSample`s: a `ShardSource` (no fastai there); else None"
     if not all(type(o) is TarSample for o in items): return None
-    from PIL import ImageFile  # fastai's setting here, for DALI's spawned workers (which start with PIL's default)
-    return ShardSource(TarSamples(items), mode, ImageFile.LOAD_TRUNCATED_IMAGES)
+    return ShardSource(TarSamples(items), mode)
 read_sample.dali_source = _shard_source  # (`x_sources`: the get_x's own source)
 
 # %% ../nbs/04d_shards.ipynb #c007

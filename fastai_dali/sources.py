@@ -137,10 +137,16 @@ def read_file_bytes(f):
     "The bytes of file `f`: the plainest `get_x` giving encoded images (DALI's workers run it importing this module only)"
     with open(f, 'rb') as fh: return fh.read()
 
+def _load_truncated(v):
+    "`v`, or where None PIL's `ImageFile.LOAD_TRUNCATED_IMAGES` in this process now: fastai's setting, for DALI's spawned workers (which start with PIL's default)"
+    if v is not None: return v
+    from PIL import ImageFile
+    return ImageFile.LOAD_TRUNCATED_IMAGES
+
 class FnSource:
-    "The encoded image the plain function `fn` (a `get_x` returning bytes) gives for item `i`, checked (`checked_image`): what DALI's worker processes run for such a `get_x`, importing `fn`'s own module and not fastai"
-    def __init__(self, items, fn, mode='RGB', load_truncated=False):
-        self.items,self.fn,self.mode,self.load_truncated = items,fn,mode,load_truncated
+    "The encoded image the plain function `fn` (a `get_x` returning bytes) gives for item `i`, checked (`checked_image`): what DALI's worker processes run for such a `get_x`, importing `fn`'s own module and not fastai; `load_truncated` None: this process's PIL setting"
+    def __init__(self, items, fn, mode='RGB', load_truncated=None):
+        self.items,self.fn,self.mode,self.load_truncated = items,fn,mode,_load_truncated(load_truncated)
     def __len__(self): return len(self.items)
     def name(self, i):
         "How errors name item `i`: with its whole path when it is one"
@@ -151,14 +157,14 @@ class FnSource:
     def encoded(self, i):
         "The encoded image `get_x` gives for item `i` (a file's, where it gives a path)"
         x = self._x(self.items[i])
-        return open(x, 'rb').read() if isinstance(x, (str, os.PathLike)) else x
+        return read_file_bytes(x) if isinstance(x, (str, os.PathLike)) else x
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
 
 class ShardSource:
     "The encoded image of item `i` of tar shards' samples (`samples`: `TarSamples`, whose columns it keeps), read by offset and checked (`checked_image`): `from_shards`' `get_x` as DALI's worker processes run it"
-    def __init__(self, samples, mode='RGB', load_truncated=False):
+    def __init__(self, samples, mode='RGB', load_truncated=None):
         self.__dict__.update(vars(samples))  # (numbers and strings: a worker needs no class of fastai_dali.shards)
-        self.mode,self.load_truncated = mode,load_truncated
+        self.mode,self.load_truncated = mode,_load_truncated(load_truncated)
     def __len__(self): return len(self.offset)
     def item_name(self, i):
         "Sample `i` as a `TarSample` names itself: its shard, key and extension"

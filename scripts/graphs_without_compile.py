@@ -35,11 +35,11 @@ from trace_kernel_split import split
 class EagerGraphs(Callback):
     "Training batches' forward and backward as the model runs them eagerly, captured once (`make_graphed_callables`) and replayed; other shapes, validation: eager"
     order = 12
+    def __init__(self): super().__init__(); self.shape = None   # (the captured batch's shape: captured once, for every fit)
     def before_fit(self):
         mp = getattr(self.learn, 'mixed_precision', None)
         if mp is not None and hasattr(mp, 'autocast'):  # (a capture under autocast needs its cache off)
             mp.autocast = torch.autocast('cuda', dtype=mp.autocast.fast_dtype, cache_enabled=False)
-        self.shape = getattr(self, 'shape', None)
     def before_batch(self):
         if not self.training or self.shape is not None: return
         m,x = self.learn.model,self.learn.xb[0].as_subclass(torch.Tensor)
