@@ -15,6 +15,7 @@ from .formats import *
 from .errors import *
 from .items import *
 from .sources import *
+from .folders import *
 from .feed import *
 from .loader import *
 from .distributed import *
@@ -24,5 +25,5 @@ from .optimizer import *
 from .shards import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, feed, loader, distributed, data, training, optimizer, shards
-__all__ = [n for m in (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, feed, loader, distributed, data, training, optimizer, shards) for n in m.__all__]
+from . import core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, shards
+__all__ = [n for m in (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, shards) for n in m.__all__]

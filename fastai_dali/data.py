@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb #c003
 from __future__ import annotations
 import copy, os, warnings
-from pathlib import Path
+from pathlib import Path, PurePath
 from fastcore.basics import *
 from fastcore.meta import delegates
 from fastcore.foundation import L
@@ -14,19 +14,19 @@ from functools import partial
 import numpy as np
 from fastai.data.core import DataLoaders, TfmdLists, Datasets
 from fastai.data.block import DataBlock, CategoryBlock
-from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter
+from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter, Categorize, CategoryMap
 from fastai.vision.core import PILImage
 from fastai.vision.data import ImageBlock, ImageDataLoaders
 from .core import *
 from .errors import *
 from .items import *
+from .folders import *
 from .loader import *
 from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
 from . import training as _training  # registers `DaliFastPathCallback`: a Learner made over these loaders takes the fast path
 
 # %% auto #0
-__all__ = ['check_image_folder', 'GivenSplits', 'split_slices', 'DaliDataLoaders', 'image_files', 'grandparent_splits',
-           'ZipMember']
+__all__ = ['check_image_folder', 'GivenSplits', 'split_slices', 'DaliDataLoaders', 'ZipMember']
 
 # %% ../nbs/04_data.ipynb #c005
 def _has_image(p):
@@ -103,13 +103,39 @@ def split_slices(splits):
         res.append(slice(int(a[0]), int(a[-1]) + 1) if len(a) else slice(0, 0))
     return res
 
-def _datasets(dblock, source):
-    "`dblock.datasets(source)`, with splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s: fastai turns a list of indices into Python ints again in every subset it takes (seconds at a million items), and a slice it takes as it is"
-    dblock.source = source   # (as fastai's `datasets` keeps it)
-    items = (dblock.get_items or noop)(source)
-    splits = (dblock.splitter or RandomSplitter())(items)
-    return Datasets(items, tfms=dblock._combine_type_tfms(), splits=split_slices(splits) or splits, dl_type=dblock.dl_type, n_inp=dblock.n_inp)
 
+# %% ../nbs/04_data.ipynb #c4fbf7d1
+def _all_paths(items):
+    "Whether `items` (a list or an `L`) are all `Path`s: what the string operations below take"
+    its = getattr(items, 'items', items)
+    return isinstance(its, list) and all(isinstance(o, PurePath) for o in its)
+
+def _grandparent_names(f):
+    "(train_name, valid_name) of a splitter made by fastai's `GrandparentSplitter` with one name each, else None"
+    if getattr(f, '__qualname__', None) != 'GrandparentSplitter.<locals>._inner' or getattr(f, '__module__', None) != 'fastai.data.transforms': return None
+    cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ())))
+    names = cells.get('train_name'),cells.get('valid_name')
+    return names if all(isinstance(o, str) for o in names) and names[0] != names[1] else None
+
+def _give_vocab(tfms, n_inp, items, train):
+    "Set the vocab of a `parent_label` target's `Categorize` as its setup would find it from the training items `train`"
+    t = tfms[n_inp] if len(tfms) == n_inp + 1 else []
+    if len(t) != 2 or t[0] is not parent_label or type(t[1]) is not Categorize or t[1].vocab is not None: return
+    its,c = getattr(items, 'items', items),t[1]
+    if isinstance(train, slice): train = range(len(its))[train]
+    elif (a := np.asarray(train)).dtype == bool: train = np.flatnonzero(a)   # (a mask, as fastai's subsets take one)
+    c.vocab = CategoryMap(list(dict.fromkeys(parent_name(its[i]) for i in train)), sort=c.sort, add_na=c.add_na)
+
+def _datasets(dblock, source):
+    "`dblock.datasets(source)`, fastai's `get_image_files`, `GrandparentSplitter` and `parent_label` vocab as string operations, and splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s"
+    dblock.source = source   # (as fastai's `datasets` keeps it)
+    items = image_files(source) if dblock.get_items is get_image_files else (dblock.get_items or noop)(source)
+    paths = _all_paths(items)
+    names = _grandparent_names(dblock.splitter) if paths else None
+    splits = grandparent_splits(items, *names) if names else (dblock.splitter or RandomSplitter())(items)
+    tfms = dblock._combine_type_tfms()
+    if paths: _give_vocab(tfms, dblock.n_inp, items, splits[0])
+    return Datasets(items, tfms=tfms, splits=split_slices(splits) or splits, dl_type=dblock.dl_type, n_inp=dblock.n_inp)
 
 # %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
@@ -141,40 +167,14 @@ class DaliDataLoaders(DataLoaders):
         return res
 
 # %% ../nbs/04_data.ipynb #c013
-def _named_path(s):
-    "`Path(s)` of a normalized path `s`, whose string is `s` itself (Python parses a `Path`, and keeps the parts, when it is first made a string: ~500 bytes an item)"
-    o = Path(s)
-    try: o._str = s   # (pathlib's cache of `str(o)`: what it would compute for a normalized `s`)
-    except AttributeError: pass
-    return o
-
-def image_files(path, folders=None):
-    "fastai's `get_image_files(path, folders=folders)`: the same `Path`s in the same order, each holding its string already (see `_named_path`)"
-    top,exts,res = os.fspath(Path(path)),{e.lower() for e in image_extensions},[]
-    folders = L(folders)
-    for i,(p,d,fs) in enumerate(os.walk(top, followlinks=True)):   # (fastai's `get_files`, with strings)
-        if len(folders) != 0 and i == 0: d[:] = [o for o in d if o in folders]
-        else: d[:] = [o for o in d if not o.startswith('.')]
-        if len(folders) != 0 and i == 0 and '.' not in folders: continue
-        pre = '' if p == '.' else p if p.endswith(os.sep) else p + os.sep   # (Path('./a') is 'a'; the root is '/')
-        if pre.startswith('.' + os.sep): pre = pre[2:]
-        res += [_named_path(pre + f) for f in fs if not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in exts]
-    return L(res)
-
-def grandparent_splits(items, train='train', valid='valid'):
-    "fastai's `GrandparentSplitter(train, valid)(items)` of `Path`s, as string operations on them"
-    code = {train: 0, valid: 1}   # (each item's split as a small int: a list of a million strings is ~80 MB)
-    gp = [code.get(p[-3] if len(p := os.fspath(o).rsplit(os.sep, 3)) > 2 else '', 2) for o in items]
-    return [[i for i,g in enumerate(gp) if g == code[n]] for n in (train, valid)]
-
 @patch(cls_method=True)
 @delegates(DaliDataLoaders.from_dblock)
 @gc_paused()
 def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_pct=None, seed=None, vocab=None,
-                item_tfms=None, batch_tfms=None, img_cls=PILImage, **kwargs):
-    "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`)"
+                item_tfms=None, batch_tfms=None, img_cls=PILImage, cache_dir=None, **kwargs):
+    "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`); the walk of a large folder is kept in `cache_dir` for the next open (`image_files`; False: not kept)"
     check_image_folder(path, None if valid_pct else [train, valid])
-    items = image_files(path, None if valid_pct else [train, valid])
+    items = image_files(path, None if valid_pct else [train, valid], cache_dir)
     splits = RandomSplitter(valid_pct, seed=seed)(items) if valid_pct else grandparent_splits(items, train, valid)
     if vocab is None and kwargs.get('on_error', 'raise') == 'raise': vocab = sorted({parent_name(items[i]) for i in splits[0]})
     dblock = DataBlock(blocks=(ImageBlock(img_cls), CategoryBlock(vocab=vocab)), get_items=lambda _: items,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, warnings, hashlib, shutil, tempfile
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.util import Finalize
-from pathlib import Path
+from pathlib import Path, PurePath
 import numpy as np, torch
 from PIL import Image
 from fastcore.basics import *
@@ -21,7 +21,7 @@ from fastai.vision.core import PILBase, PILMask, TensorPoint
 from .core import *
 from .formats import *
 from .errors import *
-from .sources import checked_image, ShardSource, FnSource
+from .sources import checked_image, ShardSource, FnSource, PackedPaths
 
 # %% auto #0
 __all__ = ['wrapped_fn', 'dali_files', 'packed', 'PythonSource', 'x_sources', 'pil_mode', 'parent_name', 'MaskFiles', 'Ragged',
@@ -101,9 +101,10 @@ def dali_files(files, mode='RGB', num_threads=None):
 
 # %% ../nbs/03c_items.ipynb #c008
 def packed(items):
-    "`items` packed by their class (its `dali_pack`, e.g. a shard's samples as columns of numbers: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
-    pack = getattr(type(items[0]), 'dali_pack', None) if len(items) else None
-    return pack(items) if callable(pack) and all(type(o) is type(items[0]) for o in items) else items
+    "`items` packed by their class (its `dali_pack`, e.g. a shard's samples as columns of numbers; `Path`s as `PackedPaths`: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
+    cls = type(items[0]) if len(items) else None
+    pack = PackedPaths if cls is not None and issubclass(cls, PurePath) else getattr(cls, 'dali_pack', None)
+    return pack(items) if callable(pack) and all(type(o) is cls for o in items) else items
 
 def _plain_fn(t):
     "The function a plain fastai `Transform` wraps (a `get_y` such as `parent_label`, `RegexLabeller`, `ColReader`), or None"

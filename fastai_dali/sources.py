@@ -12,7 +12,7 @@ from fastcore.basics import *
 
 # %% auto #0
 __all__ = ['EpochFlag', 'pack_bytes', 'jpeg_ends', 'checked_image', 'read_member', 'read_file_bytes', 'FnSource', 'ShardSource',
-           'EpochSource', 'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
+           'PackedPaths', 'EpochSource', 'unguarded_script', 'spawn_blocked_msg', 'python_workers_kwargs']
 
 # %% ../nbs/03d_sources.ipynb #c005
 def _unlink_shm(shm):
@@ -175,6 +175,20 @@ class ShardSource:
         i = int(i)
         return read_member(self.tars[self.tar[i]], int(self.offset[i]), int(self.size[i]), self.item_name(i))
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
+
+# %% ../nbs/03d_sources.ipynb #6a4f0180
+class PackedPaths:
+    "`Path`s (all of one class) as one string and where each starts: what DALI's worker processes receive for a million items (two objects to pickle, not a million); item `i` is a `Path` again"
+    def __init__(self, paths):
+        strs = [os.fspath(o) for o in paths]
+        self.cls,self.text = type(paths[0]) if len(paths) else None,'\0'.join(strs)   # (no path holds a NUL)
+        self.starts = np.zeros(len(strs) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, strs), np.int64, len(strs)) + 1, out=self.starts[1:])
+    def __len__(self): return len(self.starts) - 1
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self): raise IndexError(f"item {i} of {len(self)}")
+        i = int(i) % len(self)
+        return self.cls(self.text[self.starts[i]:self.starts[i+1]-1])
 
 # %% ../nbs/03d_sources.ipynb #c008
 class EpochSource(_PickledInFile):

@@ -9,7 +9,8 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
 - the plain loop (fused AdamW with fastai's hyper-parameters) on synthetic GPU batches: compiled graphs (the limit the
   other rows are measured against), the model's eager kernels as graphs (`make_graphed_callables`), and the whole step
   (forward, loss, backward, AdamW with `capturable`) as one CUDA graph; the whole-step graph also on DaliDataLoaders'
-  batches (each copied into the graph's input).
+  batches (each copied into the graph's input); and the whole step again with the model's kernels compiled
+  (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest).
 
 `EagerGraphs` is a prototype callback: at the first training batch it captures the model's forward and backward as
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
@@ -49,10 +50,11 @@ class EagerGraphs(Callback):
         with torch.no_grad(): m.load_state_dict(saved)   # (copied in place: the graphs' memory stays)
         self.shape = x.shape
 
-def plain_graphed(dl, arch, n_out, whole_step=False, batches=None):
-    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input; returns an epoch function (img/s)"
+def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False):
+    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest); returns an epoch function (img/s)"
     mf = torch.channels_last
     m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=mf)
+    if compiled: m = torch.compile(m)   # (Triton kernels, no graphs of its own: the capture below takes them)
     lf = torch.nn.CrossEntropyLoss()
     x0,y0 = next(iter(dl))
     sx = x0.as_subclass(torch.Tensor).contiguous(memory_format=mf).clone(); sy = y0.as_subclass(torch.Tensor).long().clone()
@@ -107,7 +109,8 @@ LIMIT = 'plain loop, synthetic, compiled graphs (the limit)'
 OWN = "DaliDataLoaders, fastai's own loop (dls.fast_path=False)"
 ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraphCallback', LIMIT,
         'plain loop, synthetic, eager kernels as graphs', 'plain loop, synthetic, whole step one graph',
-        'plain loop, DaliDataLoaders, whole step one graph', OWN)
+        'plain loop, DaliDataLoaders, whole step one graph', OWN,
+        'plain loop, synthetic, whole step one graph, compiled kernels', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
 
 def one_row(out, a, k, root, epochs=3):
@@ -124,7 +127,9 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[4]: lambda: plain_graphed(sdl, arch, dls.c),
             ROWS[5]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True),
             ROWS[6]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True),
-            OWN: lambda: fit_epochs(dls, arch, dls.c)}
+            OWN: lambda: fit_epochs(dls, arch, dls.c),
+            ROWS[8]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True),
+            ROWS[9]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True)}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastcore.basics import noop
 from .core import *
 from .core import read_file_bytes
+from ..folders import index_file
 
 # %% auto #0
 __all__ = ['SCALE_KINDS', 'make_scale_folder', 'scale_one', 'scale_process', 'scale_rows', 'scale_markdown', 'default_scale_n',
@@ -127,6 +128,8 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
         for kind in kinds:
             if kind == 'from_shards (indexing)':   # (each repeat indexes them again)
                 for f in Path(f'{root}_shards').glob('*/*.idx*'): f.unlink()
+            if kind == 'DaliDataLoaders':   # (cold: no index of an earlier walk; the row after it, 'again', reads the one it keeps)
+                index_file(root, ['train', 'valid']).unlink(missing_ok=True)
             args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw))
             code = f"import json; from fastai_dali.bench.scale import scale_process; scale_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
             out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
