@@ -48,7 +48,5 @@ atexit.register(_shutdown_deferred)  # before DALI's own atexit hook (registered
 # %% ../nbs/02b_lifetime.ipynb #c011
 def collect_dropped(gpu=True):
     "Free the pipelines of dropped loaders (cyclic garbage) once a pipeline is built on the GPU (`gpu`); shut down those collections in other threads kept"
-    # (the new pipeline is alive: no count of live ones tells whether others were dropped, unless it is the only one; a
-    # full collection takes 0.6 s beside a million items, which a process's first build then does not pay)
-    if gpu and len(_live_pipes) > 1: gc.collect()
+    if gpu: gc.collect()  # (the new pipeline is alive: no count of live ones tells whether others were dropped)
     _shutdown_deferred()
