@@ -126,10 +126,10 @@ def _give_vocab(tfms, n_inp, items, train):
     elif (a := np.asarray(train)).dtype == bool: train = np.flatnonzero(a)   # (a mask, as fastai's subsets take one)
     c.vocab = CategoryMap(list(dict.fromkeys(parent_name(its[i]) for i in train)), sort=c.sort, add_na=c.add_na)
 
-def _datasets(dblock, source):
-    "`dblock.datasets(source)`, fastai's `get_image_files`, `GrandparentSplitter` and `parent_label` vocab as string operations, and splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s"
+def _datasets(dblock, source, cache_dir=None):
+    "`dblock.datasets(source)`, fastai's `get_image_files` (its walk kept in `cache_dir`: `image_files`), `GrandparentSplitter` and `parent_label` vocab as string operations, and splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s"
     dblock.source = source   # (as fastai's `datasets` keeps it)
-    items = image_files(source) if dblock.get_items is get_image_files else (dblock.get_items or noop)(source)
+    items = image_files(source, cache_dir=cache_dir) if dblock.get_items is get_image_files else (dblock.get_items or noop)(source)
     paths = _all_paths(items)
     names = _grandparent_names(dblock.splitter) if paths else None
     splits = grandparent_splits(items, *names) if names else (dblock.splitter or RandomSplitter())(items)
@@ -147,14 +147,14 @@ class DaliDataLoaders(DataLoaders):
     @delegates(DataLoaders.from_dblock)
     @gc_paused()   # (a million items: see `gc_paused`, 00_core)
     def from_dblock(cls, dblock:DataBlock, source, path='.', bs:int=64, val_bs:int=None, shuffle:bool=True,
-                    device=None, on_error:str='raise', **kwargs):
-        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out"
+                    device=None, on_error:str='raise', cache_dir=None, **kwargs):
+        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out; a `get_items` that is fastai's `get_image_files` keeps its walk of a large folder in `cache_dir` (`image_files`; False: none)"
         # `bs` is checked by `DaliDL`, which fastai builds with `bs` for training and `val_bs` (named here) for validation
         if val_bs is not None and int(val_bs) < 1: raise ValueError(f"val_bs={val_bs!r}: must be an integer >= 1")
         if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
         skipped = []
         if on_error == 'skip': dblock,skipped = _drop_unreadable(dblock, source)
-        try: dsets = _datasets(dblock, source)
+        try: dsets = _datasets(dblock, source, cache_dir)
         except Exception as e: raise (_setup_error(e, dblock, source) or e) from e
         if len(dsets.train) == 0: raise ValueError(f"the training set built from {source!r} is empty")
         kwargs = {**dblock.dls_kwargs, **kwargs, 'verbose': False}
