@@ -19,6 +19,7 @@ class ForeachOptimizer(Optimizer):
         super().__init__(params, cbs=[], **defaults)
         store_attr('steppers,decouple_wd,momentum')
         self._bufs = {}  # per tensor: the Adam step's denominator, reused every step (not state: checkpoints stay fastai's)
+        self.numbers,self._host = None,None  # `device_numbers`' rows on the parameters' device, and their host copy
 
     def _with_grad(self):
         "(hyper-parameters, tensors with a gradient, their states) for each parameter group that has any"
@@ -135,3 +136,94 @@ def ForeachRAdam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0., beta=0., de
 def ForeachSGD(params, lr, mom=0., wd=0., decouple_wd=True) -> ForeachOptimizer:
     "fastai's `SGD` (with momentum when `mom`), its step on torch's foreach kernels"
     return ForeachOptimizer(params, 'sgd', decouple_wd=decouple_wd, momentum=mom != 0, lr=lr, mom=mom, wd=wd)
+
+# %% ../nbs/04c_optimizer.ipynb #0935f9af
+_NUMBERS = ('decay', 'l2', 'mom', 'damp', 'sqr_mom', 'sqr_damp', 'debias2', 'eps', 'grad_step', 'avg_step')
+
+@patch
+def _plan(self:ForeachOptimizer):
+    "The step's structure: for each parameter group with gradients, its tensors grouped by step count (their states, those with weight decay)"
+    res = []
+    for g,(pg,hyper) in enumerate(zip(self.param_lists, self.hypers)):
+        ps = [p for p in pg if p.grad is not None]
+        by = {}
+        for p in ps: by.setdefault(self.state[p].get('step', 0), []).append(p)
+        res += [(g, q, [self.state[p] for p in q], [p for p in q if self.state[p].get('do_wd', True)]) for _,q in sorted(by.items())]
+    return res
+
+@patch
+def plan_key(self:ForeachOptimizer):
+    "What a captured `device_step` depends on: which tensors step, in which groups, grouped by step count"
+    return tuple((g, tuple(id(p) for p in q)) for g,q,_,_ in self._plan())
+
+# %% ../nbs/04c_optimizer.ipynb #c1d4a7fc
+@patch
+def _bucket_numbers(self:ForeachOptimizer, hyper, step):
+    "The numbers of one group's tensors at step count `step` (after this step), in `_NUMBERS`' order"
+    lr,wd = hyper['lr'],hyper['wd']
+    decay,l2 = (1 - lr*wd, 0.) if self.decouple_wd else (1., wd)
+    if self.steppers == 'sgd':
+        return (decay, l2, hyper['mom'] if self.momentum else 0., 1., 0., 0., 1., 0., -lr, 0.)
+    mom,sqr_mom,eps = hyper['mom'],hyper['sqr_mom'],hyper['eps']
+    debias1,debias2 = debias(mom, 1-mom, step),debias(sqr_mom, 1-sqr_mom, step)
+    grad_step,avg_step = -lr/debias1,0.
+    if self.steppers == 'radam':
+        r_inf = 2/(1-sqr_mom) - 1
+        r = r_inf - 2*step*sqr_mom**step/(1-sqr_mom**step)
+        if r <= 5: grad_step,avg_step = 0.,-lr/debias1   # (too few steps for the variance: a momentum step)
+        else: grad_step = -lr*math.sqrt(((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r))/debias1
+    return (decay, l2, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps or 0., grad_step, avg_step)
+
+@patch
+@torch.no_grad()
+def device_numbers(self:ForeachOptimizer):
+    "Count this step and write its numbers (`_NUMBERS`, a row for each group and step count) into `self.numbers` on the parameters' device, with one copy: what `device_step` reads"
+    if self.steppers == 'radam' and any(h.get('beta') for h in self.hypers):
+        raise NotImplementedError("device_step: SAdam (`beta`) runs softplus a tensor at a time; use `step`")
+    plan = self._plan()
+    if not plan: return
+    if self.steppers != 'sgd':   # (fastai's `step_stat`: Adam's and RAdam's, not SGD's)
+        for _,_,states,_ in plan:
+            for s in states: s['step'] = s.get('step', 0) + 1
+    rows = torch.tensor([self._bucket_numbers(self.hypers[g], states[0].get('step', 0)) for g,_,states,_ in plan], dtype=torch.float64)
+    dev = plan[0][1][0].device if plan else 'cpu'
+    if self.numbers is None or self.numbers.shape != rows.shape or self.numbers.device != torch.device(dev):
+        self.numbers = torch.zeros(rows.shape, dtype=torch.float32, device=dev)
+        self._host = torch.zeros(rows.shape, dtype=torch.float32, pin_memory=self.numbers.is_cuda)
+    self._host.copy_(rows)   # (rounded to float32 once, as a Python number is for a float32 kernel)
+    self.numbers.copy_(self._host, non_blocking=True)
+
+# %% ../nbs/04c_optimizer.ipynb #ee079517
+@patch
+@torch.no_grad()
+def device_step(self:ForeachOptimizer):
+    "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures"
+    N = {k: i for i,k in enumerate(_NUMBERS)}
+    for b,(g,ps,states,wd_ps) in enumerate(self._plan()):
+        n = lambda k: self.numbers[b, N[k]]
+        grads = [p.grad for p in ps]
+        if wd_ps:
+            if self.decouple_wd: torch._foreach_mul_(wd_ps, n('decay'))
+            else: torch._foreach_add_([p.grad for p in wd_ps], torch._foreach_mul(wd_ps, n('l2')))
+        if self.steppers == 'sgd':
+            if self.momentum:
+                avgs = self._state_list(ps, states, 'grad_avg')
+                torch._foreach_mul_(avgs, n('mom')); torch._foreach_add_(avgs, grads)
+            else: avgs = grads
+            torch._foreach_add_(ps, torch._foreach_mul(avgs, n('grad_step'))); continue
+        avgs,sqrs = self._state_list(ps, states, 'grad_avg'),self._state_list(ps, states, 'sqr_avg')
+        torch._foreach_mul_(avgs, n('mom')); torch._foreach_add_(avgs, torch._foreach_mul(grads, n('damp')))
+        g2 = torch._foreach_mul(grads, grads); torch._foreach_mul_(g2, n('sqr_damp'))
+        torch._foreach_mul_(sqrs, n('sqr_mom')); torch._foreach_add_(sqrs, g2)
+        bufs = [self._buf(p) for p in ps]
+        torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, n('debias2')); torch._foreach_sqrt_(bufs)
+        torch._foreach_add_(bufs, n('eps'))
+        u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, n('grad_step')); torch._foreach_add_(ps, u)
+        if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
+
+@patch
+def _state_list(self:ForeachOptimizer, ps, states, name):
+    "The `name` state of each tensor (zeros at its first step, as fastai's `average_grad`)"
+    for p,s in zip(ps, states):
+        if s.get(name) is None: s[name] = torch.zeros_like(p.grad)
+    return [s[name] for s in states]
