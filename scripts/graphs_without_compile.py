@@ -10,7 +10,8 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   other rows are measured against), the model's eager kernels as graphs (`make_graphed_callables`), and the whole step
   (forward, loss, backward, AdamW with `capturable`) as one CUDA graph; the whole-step graph also on DaliDataLoaders'
   batches (each copied into the graph's input); and the whole step again with the model's kernels compiled
-  (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest).
+  (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest), with torch's
+  AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay).
 
 `EagerGraphs` is a prototype callback: at the first training batch it captures the model's forward and backward as
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
@@ -50,8 +51,8 @@ class EagerGraphs(Callback):
         with torch.no_grad(): m.load_state_dict(saved)   # (copied in place: the graphs' memory stays)
         self.shape = x.shape
 
-def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False):
-    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest); returns an epoch function (img/s)"
+def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False, fastai_adam=False):
+    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest; `fastai_adam`: fastai's Adam as `ForeachAdam`'s `device_step` instead of torch's AdamW, its numbers written before each replay by `device_numbers`); returns an epoch function (img/s)"
     mf = torch.channels_last
     m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=mf)
     if compiled: m = torch.compile(m)   # (Triton kernels, no graphs of its own: the capture below takes them)
@@ -62,21 +63,34 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
     if whole_step:
         from fastai.torch_core import norm_bias_params
         nb = {id(p) for p in norm_bias_params(m)}
-        opt = torch.optim.AdamW([dict(params=[p for p in m.parameters() if id(p) not in nb]),
-                                 dict(params=[p for p in m.parameters() if id(p) in nb], weight_decay=0.)],
-                                lr=torch.tensor(1e-3, device='cuda'), betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01, capturable=True, foreach=True)
+        if fastai_adam:
+            from fastai_dali.optimizer import ForeachAdam
+            opt = ForeachAdam(list(m.parameters()), lr=1e-3)   # (fastai's defaults: mom 0.9, sqr_mom 0.99, eps 1e-5, wd 0.01)
+            for p in m.parameters():
+                if id(p) in nb: opt.state[p]['do_wd'] = False   # (fastai's `wd_bn_bias=False`)
+            opt_step,zero = opt.device_step,lambda: [setattr(p, 'grad', None) for p in m.parameters()]
+        else:
+            opt = torch.optim.AdamW([dict(params=[p for p in m.parameters() if id(p) not in nb]),
+                                     dict(params=[p for p in m.parameters() if id(p) in nb], weight_decay=0.)],
+                                    lr=torch.tensor(1e-3, device='cuda'), betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01, capturable=True, foreach=True)
+            opt_step,zero = opt.step,lambda: opt.zero_grad(set_to_none=True)
         s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                opt.zero_grad(set_to_none=True)
+                zero()
                 with ac(): loss = lf(m(sx), sy)
-                loss.backward(); opt.step(); del loss   # (no autograd graph kept alive into the capture)
+                loss.backward()
+                if fastai_adam: opt.device_numbers()
+                opt_step(); del loss   # (no autograd graph kept alive into the capture)
         torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph(); opt.zero_grad(set_to_none=True)
+        g = torch.cuda.CUDAGraph(); zero()
         with torch.cuda.graph(g):
             with ac(): sloss = lf(m(sx), sy)
-            sloss.backward(); opt.step()
-        def step(x, y): sx.copy_(x, non_blocking=True); sy.copy_(y, non_blocking=True); g.replay()
+            sloss.backward(); opt_step()
+        def step(x, y):
+            sx.copy_(x, non_blocking=True); sy.copy_(y, non_blocking=True)
+            if fastai_adam: opt.device_numbers()   # (this step's rates and bias corrections, before the replay reads them)
+            g.replay()
     else:
         opt = torch_optimizer(m, 'adamw_fused')
         with ac(): m = torch.cuda.make_graphed_callables(m, (sx,), num_warmup_iters=3)
@@ -110,7 +124,8 @@ OWN = "DaliDataLoaders, fastai's own loop (dls.fast_path=False)"
 ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraphCallback', LIMIT,
         'plain loop, synthetic, eager kernels as graphs', 'plain loop, synthetic, whole step one graph',
         'plain loop, DaliDataLoaders, whole step one graph', OWN,
-        'plain loop, synthetic, whole step one graph, compiled kernels', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels')
+        'plain loop, synthetic, whole step one graph, compiled kernels', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels',
+        'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
 
 def one_row(out, a, k, root, epochs=3):
@@ -129,7 +144,9 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[6]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True),
             OWN: lambda: fit_epochs(dls, arch, dls.c),
             ROWS[8]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True),
-            ROWS[9]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True)}
+            ROWS[9]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True),
+            ROWS[10]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True),
+            ROWS[11]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True)}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
