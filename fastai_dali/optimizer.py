@@ -19,7 +19,8 @@ class ForeachOptimizer(Optimizer):
         super().__init__(params, cbs=[], **defaults)
         store_attr('steppers,decouple_wd,momentum')
         self._bufs = {}  # per tensor: the Adam step's denominator, reused every step (not state: checkpoints stay fastai's)
-        self.numbers,self._host = None,None  # `device_numbers`' rows on the parameters' device, and their host copy
+        self.numbers = None   # `device_numbers`' rows on the parameters' device (see "The step with its numbers on the device")
+        self.captured = None  # the `plan_key` a CUDA graph of `device_step` was captured for, set by the capturer
 
     def _with_grad(self):
         "(hyper-parameters, tensors with a gradient, their states) for each parameter group that has any"
@@ -170,7 +171,7 @@ def _bucket_numbers(self:ForeachOptimizer, hyper, step):
     if self.steppers == 'radam':
         r_inf = 2/(1-sqr_mom) - 1
         r = r_inf - 2*step*sqr_mom**step/(1-sqr_mom**step)
-        if r <= 5: grad_step,avg_step = 0.,-lr/debias1   # (too few steps for the variance: a momentum step)
+        if r <= 5: grad_step,avg_step,eps = 0.,-lr/debias1,1.   # (too few steps for the variance: a momentum step; eps 1: no 0/0)
         else: grad_step = -lr*math.sqrt(((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r))/debias1
     return (decay, l2, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps or 0., grad_step, avg_step)
 
@@ -181,17 +182,21 @@ def device_numbers(self:ForeachOptimizer):
     if self.steppers == 'radam' and any(h.get('beta') for h in self.hypers):
         raise NotImplementedError("device_step: SAdam (`beta`) runs softplus a tensor at a time; use `step`")
     plan = self._plan()
+    if self.captured is not None and self.plan_key() != self.captured:
+        raise RuntimeError("device_numbers: the step's structure changed since its graph was captured (a tensor unfrozen, "
+                           "or one without a gradient): capture again")
     if not plan: return
     if self.steppers != 'sgd':   # (fastai's `step_stat`: Adam's and RAdam's, not SGD's)
         for _,_,states,_ in plan:
             for s in states: s['step'] = s.get('step', 0) + 1
     rows = torch.tensor([self._bucket_numbers(self.hypers[g], states[0].get('step', 0)) for g,_,states,_ in plan], dtype=torch.float64)
-    dev = plan[0][1][0].device if plan else 'cpu'
-    if self.numbers is None or self.numbers.shape != rows.shape or self.numbers.device != torch.device(dev):
+    dev = plan[0][1][0].device
+    if self.numbers is None or self.numbers.shape != rows.shape or self.numbers.device != dev:
         self.numbers = torch.zeros(rows.shape, dtype=torch.float32, device=dev)
-        self._host = torch.zeros(rows.shape, dtype=torch.float32, pin_memory=self.numbers.is_cuda)
-    self._host.copy_(rows)   # (rounded to float32 once, as a Python number is for a float32 kernel)
-    self.numbers.copy_(self._host, non_blocking=True)
+    rows = rows.float()   # (rounded to float32 once, as a Python number is for a float32 kernel)
+    # a new pinned tensor each step: torch's pinned allocator reuses its memory only once this copy has run (the host
+    # may be steps ahead of the GPU), where a kept one would be overwritten under a copy still queued
+    self.numbers.copy_(rows.pin_memory() if self.numbers.is_cuda else rows, non_blocking=True)
 
 # %% ../nbs/04c_optimizer.ipynb #ee079517
 @patch
@@ -225,5 +230,8 @@ def device_step(self:ForeachOptimizer):
 def _state_list(self:ForeachOptimizer, ps, states, name):
     "The `name` state of each tensor (zeros at its first step, as fastai's `average_grad`)"
     for p,s in zip(ps, states):
-        if s.get(name) is None: s[name] = torch.zeros_like(p.grad)
+        if s.get(name) is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():   # (each replay would zero it again)
+                raise RuntimeError("device_step: a tensor without its optimizer state in a CUDA graph's capture: step once before capturing")
+            s[name] = torch.zeros_like(p.grad)
     return [s[name] for s in states]

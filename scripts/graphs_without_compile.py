@@ -87,6 +87,7 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
         with torch.cuda.graph(g):
             with ac(): sloss = lf(m(sx), sy)
             sloss.backward(); opt_step()
+        if fastai_adam: opt.captured = opt.plan_key()   # (`device_numbers` refuses a changed structure from now on)
         def step(x, y):
             sx.copy_(x, non_blocking=True); sy.copy_(y, non_blocking=True)
             if fastai_adam: opt.device_numbers()   # (this step's rates and bias corrections, before the replay reads them)
