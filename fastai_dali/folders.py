@@ -55,10 +55,11 @@ class FolderIndex:
             dirs.append(rel); ids.append((s.st_dev, s.st_ino) if s else (0, 0)); mtimes.append(s.st_mtime_ns if s else 0)
             if len(folders) != 0 and i == 0 and '.' not in folders: continue
             pre,fs = rel + os.sep if rel else '',[f for f in fs if not f.startswith('.')]
-            names += [pre + f for f in fs if f'.{f.split(".")[-1].lower()}' in exts]
+            imgs = [f for f in fs if f'.{f.split(".")[-1].lower()}' in exts]
+            names += [pre + f for f in imgs]
             # a link to nothing among the other names may be a folder on a mount that is away: its coming back changes no time
-            if any(os.path.islink(q := os.path.join(p, f)) and not os.path.exists(q) for f in fs
-                   if f'.{f.split(".")[-1].lower()}' not in exts): bad.append(p)
+            if len(imgs) < len(fs) and any(os.path.islink(q := os.path.join(p, f)) and not os.path.exists(q)
+                                           for f in set(fs).difference(imgs)): bad.append(p)
         return cls(names, dirs, np.array(ids, np.uint64).reshape(-1, 2), np.array(mtimes, np.int64), t, not bad)
 
     def items(self, path):

@@ -53,11 +53,19 @@ def _decay(self:ForeachOptimizer, hyper, ps, states):
     else: torch._foreach_add_([p.grad for p in ps], ps, alpha=wd)
 
 @patch
+def _state_list(self:ForeachOptimizer, ps, states, name):
+    "The `name` state of each tensor (zeros at its first step, as fastai's `average_grad`)"
+    for p,s in zip(ps, states):
+        if s.get(name) is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():   # (each replay would zero it again)
+                raise RuntimeError("device_step: a tensor without its optimizer state in a CUDA graph's capture: step once before capturing")
+            s[name] = torch.zeros_like(p.grad)
+    return [s[name] for s in states]
+
+@patch
 def _averages(self:ForeachOptimizer, ps, states, name, mom, damp, sqr=False):
     "fastai's `average_grad` (or `average_sqr_grad`): the `name` state of each tensor, created as zeros at its first step"
-    for p,s in zip(ps, states):
-        if s.get(name) is None: s[name] = torch.zeros_like(p.grad)
-    avgs,grads = [s[name] for s in states],[p.grad for p in ps]
+    avgs,grads = self._state_list(ps, states, name),[p.grad for p in ps]
     torch._foreach_mul_(avgs, mom)
     if sqr: torch._foreach_addcmul_(avgs, grads, grads, value=damp)
     else: torch._foreach_add_(avgs, grads, alpha=damp)
@@ -153,9 +161,9 @@ def _plan(self:ForeachOptimizer):
     return res
 
 @patch
-def plan_key(self:ForeachOptimizer):
-    "What a captured `device_step` depends on: which tensors step, in which groups, grouped by step count"
-    return tuple((g, tuple(id(p) for p in q)) for g,q,_,_ in self._plan())
+def plan_key(self:ForeachOptimizer, plan=None):
+    "What a captured `device_step` depends on: which tensors step, in which groups, grouped by step count (of `plan`, or `_plan()`'s)"
+    return tuple((g, tuple(id(p) for p in q)) for g,q,_,_ in (self._plan() if plan is None else plan))
 
 # %% ../nbs/04c_optimizer.ipynb #c1d4a7fc
 @patch
@@ -182,7 +190,7 @@ def device_numbers(self:ForeachOptimizer):
     if self.steppers == 'radam' and any(h.get('beta') for h in self.hypers):
         raise NotImplementedError("device_step: SAdam (`beta`) runs softplus a tensor at a time; use `step`")
     plan = self._plan()
-    if self.captured is not None and self.plan_key() != self.captured:
+    if self.captured is not None and self.plan_key(plan) != self.captured:
         raise RuntimeError("device_numbers: the step's structure changed since its graph was captured (a tensor unfrozen, "
                            "or one without a gradient): capture again")
     if not plan: return
@@ -225,13 +233,3 @@ def device_step(self:ForeachOptimizer):
         torch._foreach_add_(bufs, n('eps'))
         u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, n('grad_step')); torch._foreach_add_(ps, u)
         if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
-
-@patch
-def _state_list(self:ForeachOptimizer, ps, states, name):
-    "The `name` state of each tensor (zeros at its first step, as fastai's `average_grad`)"
-    for p,s in zip(ps, states):
-        if s.get(name) is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():   # (each replay would zero it again)
-                raise RuntimeError("device_step: a tensor without its optimizer state in a CUDA graph's capture: step once before capturing")
-            s[name] = torch.zeros_like(p.grad)
-    return [s[name] for s in states]
