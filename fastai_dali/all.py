@@ -22,8 +22,9 @@ from .distributed import *
 from .data import *
 from .training import *
 from .optimizer import *
+from .step_graph import *
 from .shards import *
 
 # %% ../nbs/05_all.ipynb #c003
-from . import core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, shards
-__all__ = [n for m in (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, shards) for n in m.__all__]
+from . import core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, step_graph, shards
+__all__ = [n for m in (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader, distributed, data, training, optimizer, step_graph, shards) for n in m.__all__]

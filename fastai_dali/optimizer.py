@@ -185,11 +185,11 @@ def _bucket_numbers(self:ForeachOptimizer, hyper, step):
 
 @patch
 @torch.no_grad()
-def device_numbers(self:ForeachOptimizer):
-    "Count this step and write its numbers (`_NUMBERS`, a row for each group and step count) into `self.numbers` on the parameters' device, with one copy: what `device_step` reads"
+def device_numbers(self:ForeachOptimizer, plan=None):
+    "Count this step and write its numbers (`_NUMBERS`, a row for each group and step count) into `self.numbers` on the parameters' device, with one copy: what `device_step` reads (`plan`: `_plan()`'s, if the caller has it)"
     if self.steppers == 'radam' and any(h.get('beta') for h in self.hypers):
         raise NotImplementedError("device_step: SAdam (`beta`) runs softplus a tensor at a time; use `step`")
-    plan = self._plan()
+    if plan is None: plan = self._plan()
     if self.captured is not None and self.plan_key(plan) != self.captured:
         raise RuntimeError("device_numbers: the step's structure changed since its graph was captured (a tensor unfrozen, "
                            "or one without a gradient): capture again")
