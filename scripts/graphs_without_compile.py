@@ -11,7 +11,10 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   (forward, loss, backward, AdamW with `capturable`) as one CUDA graph; the whole-step graph also on DaliDataLoaders'
   batches (each copied into the graph's input); and the whole step again with the model's kernels compiled
   (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest), with torch's
-  AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay).
+  AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay);
+- `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
+  synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
+  kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same).
 
 `EagerGraphs` is a prototype callback: at the first training batch it captures the model's forward and backward as
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
@@ -20,17 +23,22 @@ then fastai's loop replays them; the batch-norm buffers are put back after the c
 Then torch.profiler traces (20 batches each) of the plain loop's compiled graphs, its whole-step graph, and the fit with
 `EagerGraphs`, split by kind of kernel (`scripts/trace_kernel_split.py`).
 
-    python scripts/graphs_without_compile.py OUT [ARCHS] [ROOT]     (a GPU; ARCHS default resnet18,resnet50)
+    python scripts/graphs_without_compile.py OUT [ARCHS] [ROOT] [TRACES] [ROWS]   (a GPU; ARCHS default resnet18,resnet50;
+                                                                                  TRACES 1: the traces too; ROWS: row numbers, e.g. 3,10,12,13)
 
 Writes OUT/graphs_without_compile.json, the traces OUT/trace_*.json.gz, and prints a markdown table per arch.
 """
 import json, os, sys, time, traceback
 import torch
-from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders, Callback, create_vision_model
+from fastai.vision.all import (Resize, Normalize, imagenet_stats, models, DataLoaders, Callback, create_vision_model,
+                               RandomResizedCrop, aug_transforms)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.training import CudaGraphCallback
+from fastai_dali.training import CudaGraphCallback, DeviceLossCallback
+from fastai_dali.optimizer import ForeachAdam
+from fastai_dali.step_graph import StepGraphCallback
 from fastai_dali.demo import make_bench_dataset
-from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
+from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT, bench_learner
+from fastai_dali.demo import train_timer
 sys.path.insert(0, os.path.dirname(__file__))
 from trace_kernel_split import split
 
@@ -108,6 +116,16 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
         torch.cuda.synchronize(); return n/(time.perf_counter()-t0)
     return epoch
 
+def one_fit(dls, arch, n_out, cbs, opt_func=None, fast_path=False, epochs=3):
+    "An epoch function over one `fit` of `epochs` epochs (its first call trains them all, each call returns the next epoch's img/s): for `StepGraphCallback`, which captures once a fit (where `fit_epochs` fits one epoch at a time)"
+    learn,t,runs = bench_learner(dls, arch, n_out, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False),[]
+    def epoch():
+        if not runs:
+            with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
+            runs.extend(t.runs)
+        return runs.pop(0)
+    return epoch
+
 def trace(fn, epoch_fn, n=20):
     "torch.profiler over `n` batches of `epoch_fn` (after one untimed epoch): chrome trace to `fn`; the kernel split"
     from torch.profiler import profile, ProfilerActivity
@@ -126,7 +144,10 @@ ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraph
         'plain loop, synthetic, eager kernels as graphs', 'plain loop, synthetic, whole step one graph',
         'plain loop, DaliDataLoaders, whole step one graph', OWN,
         'plain loop, synthetic, whole step one graph, compiled kernels', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels',
-        'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step')
+        'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step',
+        'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback', f'{ROW_DEFAULT} + StepGraphCallback',
+        f'{ROW_DEFAULT} + StepGraphCallback(compile=False)', f'{ROW_DEFAULT} + StepGraphCallback, RandomResizedCrop + aug_transforms()',
+        f'{ROW_DEFAULT} + CudaGraphCallback, RandomResizedCrop + aug_transforms()')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
 
 def one_row(out, a, k, root, epochs=3):
@@ -134,6 +155,8 @@ def one_row(out, a, k, root, epochs=3):
     import faulthandler; faulthandler.enable()
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device='cuda')
     dls = DaliDataLoaders.from_folder(root, **kw)
+    rrc = lambda: DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': RandomResizedCrop(224, min_scale=0.35),   # (the bench's augmented rows)
+                                                       'batch_tfms': [*aug_transforms(), Normalize.from_stats(*imagenet_stats)]})
     arch = getattr(models, a)
     sdl = SyntheticDL(bs=128, size=224, n_batches=20 if k in TRACES else len(dls.train), c=dls.c, device='cuda')
     make = {ROWS[0]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True),
@@ -147,7 +170,12 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[8]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True),
             ROWS[9]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True),
             ROWS[10]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True),
-            ROWS[11]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True)}
+            ROWS[11]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True),
+            ROWS[12]: lambda: one_fit(DataLoaders(sdl, sdl), arch, dls.c, [DeviceLossCallback(), StepGraphCallback()], opt_func=ForeachAdam, epochs=epochs),
+            ROWS[13]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
+            ROWS[14]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback(compile=False)], fast_path=True, epochs=epochs),
+            ROWS[15]: lambda: one_fit(rrc(), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
+            ROWS[16]: lambda: fit_epochs(rrc(), arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()])}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
