@@ -80,13 +80,14 @@ _CANCELS = (CancelFitException, CancelEpochException, CancelTrainException, Canc
 class StepGraphCallback(Callback):
     "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches of each fit and replayed; the model's kernels `torch.compile`'s when `compile`"
     order = 12  # (fastai's `MixedPrecision` is 10: its autocast is known when this one starts)
-    _stateattrs = ('graph','module','eager','stream')  # a graph, a compiled module and a stream are not pickled (`learn.export`)
+    _stateattrs = ('graph','module','eager','stream','params','mods')  # a graph, a compiled module and a stream are not pickled (`learn.export`)
     def __init__(self, compile:bool=True, warmup:int=3):
         if warmup < 1: raise ValueError(f"StepGraphCallback: warmup={warmup}; at least one batch before the capture makes the gradients and the optimizer's state")
         super().__init__(); store_attr(); self._init_state()
     def _init_state(self):
         super()._init_state()
         self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model
+        self.params,self.mods = [],[]              # the model's parameters and modules, listed once a fit
         self.on,self.layout = False,None              # this fit captures; the layout of its batches (`StepKey.inputs`)
         self.seen = (None, 0)                         # the key of the last batches run eagerly, and how many in a row
         self.counts = dict(replayed=0, captured=0, eager=0, fastai=0)  # this fit's training batches, by how they ran
@@ -107,6 +108,7 @@ def before_fit(self:StepGraphCallback):
     if why: raise ValueError(f"StepGraphCallback: {why}")
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
+    self.params,self.mods = list(learn.model.parameters()),list(learn.model.modules())   # (read by `_key` each batch)
     self.stream = torch.cuda.Stream() if p.is_cuda else None
     self.on = True
     learn._do_one_batch = self._do_one_batch   # this fit's training batches (`_end` takes both away, however the fit ends)
@@ -124,7 +126,7 @@ def after_fit(self:StepGraphCallback): self._end()
 def _key(self:StepGraphCallback, xs, ys, plan):
     learn = self.learn
     return StepKey(tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in xs + ys),
-                   tuple(p.requires_grad for p in self.eager.parameters()), tuple(m.training for m in self.eager.modules()),
+                   tuple(p.requires_grad for p in self.params), tuple(m.training for m in self.mods),
                    learn.opt.plan_key(plan), id(learn.loss_func))
 
 @patch
