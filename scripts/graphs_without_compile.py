@@ -14,7 +14,8 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay);
 - `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
   synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
-  kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same).
+  kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same);
+  and with the loader's threads (6, MLPerf's per GPU) and prefetch depth (3) changed.
 
 `EagerGraphs` is a prototype callback: at the first training batch it captures the model's forward and backward as
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
@@ -147,7 +148,8 @@ ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraph
         'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step', 'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step',
         'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback', f'{ROW_DEFAULT} + StepGraphCallback',
         f'{ROW_DEFAULT} + StepGraphCallback(compile=False)', f'{ROW_DEFAULT} + StepGraphCallback, RandomResizedCrop + aug_transforms()',
-        f'{ROW_DEFAULT} + CudaGraphCallback, RandomResizedCrop + aug_transforms()')
+        f'{ROW_DEFAULT} + CudaGraphCallback, RandomResizedCrop + aug_transforms()',
+        f'{ROW_DEFAULT} + StepGraphCallback, num_threads=6', f'{ROW_DEFAULT} + StepGraphCallback, prefetch=3')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
 
 def one_row(out, a, k, root, epochs=3):
@@ -175,7 +177,10 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[13]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
             ROWS[14]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback(compile=False)], fast_path=True, epochs=epochs),
             ROWS[15]: lambda: one_fit(rrc(), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
-            ROWS[16]: lambda: fit_epochs(rrc(), arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()])}
+            ROWS[16]: lambda: fit_epochs(rrc(), arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()]),
+            # the loader beside the graphs: fewer DALI threads (MLPerf's 6 a GPU), one more batch ahead
+            ROWS[17]: lambda: one_fit(DaliDataLoaders.from_folder(root, **kw, num_threads=6), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
+            ROWS[18]: lambda: one_fit(DaliDataLoaders.from_folder(root, **kw, prefetch=3), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs)}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
