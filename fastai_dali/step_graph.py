@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib, warnings
 from dataclasses import dataclass
 import torch
+from torch import nn
 from fastcore.basics import *
 from fastai.torch_core import apply, to_float
 from fastai.callback.core import (Callback, CancelFitException, CancelEpochException, CancelTrainException,
@@ -32,42 +33,49 @@ def _hooked(model):
     ps = any(getattr(p, '_backward_hooks', None) or getattr(p, '_post_accumulate_grad_hooks', None) for p in model.parameters())
     return any(glob) or mods or ps
 
+def _inside(c):
+    "The events inside the training step `c` acts at (TensorBoard's `after_pred` acts only with its projector)"
+    evs = [e for e in _INSIDE if hasattr(type(c), e)]
+    if type(c).__name__.startswith('TensorBoard') and not getattr(c, 'projector', False): evs = [e for e in evs if e != 'after_pred']
+    return evs
+
 def step_refusal(learn):
     "Why `learn`'s training step cannot be one CUDA graph replayed each batch (a message), or None"
     opt,names = learn.opt,lambda cs: ', '.join(sorted({type(c).__name__ for c in cs}))
     if not isinstance(opt, ForeachOptimizer):
         f = getattr(learn.opt_func, 'func', learn.opt_func)
-        return (f"`opt_func={getattr(f, '__name__', f)}` makes an optimizer of class {type(opt).__name__}; the graph needs fastai's Adam, RAdam or SGD as their foreach twins "
-                "(`opt_func=ForeachAdam`, `ForeachRAdam`, `ForeachSGD`, or `foreach_twin(opt_func)`)")
+        return (f"`opt_func={getattr(f, '__name__', f)}` makes an optimizer of class {type(opt).__name__}; the graph needs fastai's "
+                "Adam, RAdam or SGD as their foreach twins (`opt_func=ForeachAdam`, `ForeachRAdam`, `ForeachSGD`, or `foreach_twin(opt_func)`)")
     if opt.steppers == 'radam' and any(h.get('beta') for h in opt.hypers): return "SAdam (RAdam with `beta`) steps a tensor at a time"
-    if hasattr(learn.model, 'module') and type(learn.model).__name__ == 'DistributedDataParallel' or any(
+    if isinstance(learn.model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or any(
         type(c).__name__ == 'DistributedTrainer' for c in learn.cbs):
-        return "a distributed fit: the graph holds one process's step (use `CudaGraphCallback` under `distrib_ctx`)"
+        return "the model runs on several GPUs; the graph holds one process's step on one GPU (use `CudaGraphCallback` under `distrib_ctx`)"
     mix = [c for c in learn.cbs if isinstance(c, MixHandler)]
     if mix: return f"{names(mix)} mixes each batch with weights its loss reads from the callback, not from the batch"
     mp = [c for c in learn.cbs if isinstance(c, MixedPrecision)]
     if any(AMPMode(c.amp_mode) != AMPMode.BF16 for c in mp):
-        return "fp16's GradScaler decides on the host whether each step runs; train in bf16 (`learn.to_bf16()`)"
-    inside = [c for c in learn.cbs if not isinstance(c, (MixedPrecision, StepGraphCallback)) and any(hasattr(type(c), e) for e in _INSIDE)]
+        return ("fp16's GradScaler decides on the host whether each step runs; train in bf16 (`learn.to_bf16()`, or "
+                "`to_channelslast(amp_mode='bf16')`; a learner already in fp16 goes back with `to_fp32()` first)")
+    inside = [c for c in learn.cbs if not isinstance(c, (MixedPrecision, StepGraphCallback)) and _inside(c)]
     if inside:
-        return (f"{names(inside)} acts inside the training step ({', '.join(e for e in _INSIDE if any(hasattr(type(c), e) for c in inside))}), "
+        return (f"{names(inside)} acts inside the training step ({', '.join(e for e in _INSIDE if any(e in _inside(c) for c in inside))}), "
                 "which a replayed graph skips")
-    if _hooked(learn.model): return "the model has hooks (e.g. `ActivationStats`, `hook_outputs`): Python a replayed graph would skip"
+    if _hooked(learn.model): return "the model has hooks (e.g. `ActivationStats`, `hook_outputs`, `wandb.watch`): Python a replayed graph would skip"
     if any(type(c).__name__ == 'CudaGraphCallback' for c in learn.cbs): return "CudaGraphCallback graphs the model too: use one of the two"
 
 # %% ../nbs/04e_step_graph.ipynb #218c8e73
 @dataclass(frozen=True)
 class StepKey:
-    "What a captured step depends on besides its numbers: each batch tensor's layout, the structure of the model and the optimizer's step, the loss function"
+    "What a captured step depends on besides its numbers: the batch's layout, the parameters (trainable, their memory, their gradients'), the modules' modes, the optimizer and its state, the loss function"
     inputs: tuple     # (shape, stride, dtype, device) of each of `xb` and `yb`
-    trainable: tuple  # `requires_grad` of each parameter (`freeze`, `unfreeze`)
+    params: tuple     # (`requires_grad`, `data_ptr`, the gradient's `data_ptr` or -1, `id` of its optimizer state) of each parameter: `freeze`, `unfreeze`, a first gradient, `clear_state`
     modes: tuple      # `training` of each module (`BnFreeze`)
-    plan: tuple       # `ForeachOptimizer.plan_key`: which tensors step, grouped by step count
+    opt: tuple        # `id` of the optimizer and of its state (`load_state_dict`, `clear_state` make a new one)
     loss_func: int    # `id` of the loss function (kept alive by the graph that holds it)
 
 class StepGraph:
-    "One captured training step: its key, the tensors whose addresses it reads and writes (the batch's copy, the prediction and loss), and the graph"
-    def __init__(self, key:StepKey, loss_func, xs:tuple, ys:tuple, graph, pred=None, loss=None, grads:tuple=()):
+    "One captured training step: its key, the tensors whose addresses it reads and writes (the batch's copy, the prediction and loss), the graph, and the optimizer's plan it steps"
+    def __init__(self, key:StepKey, loss_func, xs:tuple, ys:tuple, graph, pred=None, loss=None, grads:tuple=(), plan=None):
         store_attr()  # (`grads`: the tensors whose gradient the graph's own memory holds)
     def replay(self, xs, ys):
         "Copy the batch into the graph's inputs, run it"
@@ -79,16 +87,17 @@ _CANCELS = (CancelFitException, CancelEpochException, CancelTrainException, Canc
 
 class StepGraphCallback(Callback):
     "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches of each fit and replayed; the model's kernels `torch.compile`'s when `compile`"
-    order = 12  # (fastai's `MixedPrecision` is 10: its autocast is known when this one starts)
-    _stateattrs = ('graph','module','eager','stream','params','mods')  # a graph, a compiled module and a stream are not pickled (`learn.export`)
+    order = 12  # (fastai's `MixedPrecision` is 10)
+    _stateattrs = ('graph','module','eager','stream','params','mods')  # a graph, a compiled module, a stream are not pickled (`learn.export`)
     def __init__(self, compile:bool=True, warmup:int=3):
         if warmup < 1: raise ValueError(f"StepGraphCallback: warmup={warmup}; at least one batch before the capture makes the gradients and the optimizer's state")
         super().__init__(); store_attr(); self._init_state()
     def _init_state(self):
         super()._init_state()
-        self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model
-        self.params,self.mods = [],[]              # the model's parameters and modules, listed once a fit
-        self.on,self.layout = False,None              # this fit captures; the layout of its batches (`StepKey.inputs`)
+        self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model; the side stream
+        self.params,self.mods,self.dev = [],[],None   # the model's parameters and modules, listed once a fit; their device
+        self.fit_learn = None                         # the learner whose fit this is (fastai sets `learn` to None on `remove_cb`)
+        self.ready,self.on,self.layout = False,False,None  # set up (at the fit's first training batch); capturing; its batches' layout
         self.seen = (None, 0)                         # the key of the last batches run eagerly, and how many in a row
         self.counts = dict(replayed=0, captured=0, eager=0, fastai=0)  # this fit's training batches, by how they ran
 
@@ -97,10 +106,24 @@ class StepGraphCallback(Callback):
 # %% ../nbs/04e_step_graph.ipynb #f4d64a55
 @patch
 def before_fit(self:StepGraphCallback):
-    learn = self.learn
-    self._end()   # (a fit cut by an error left its graph: none survives into another fit, whose optimizer may be new)
+    "Take over the learner's batches for this fit (fastai's `validate`, `get_preds` and `predict` pass through here too: nothing else happens until a training batch)"
+    self._end()   # (a fit cut by an error outside its batches left its graph: none survives into another fit)
     self.counts = {k: 0 for k in self.counts}
+    self.fit_learn = learn = self.learn
+    learn._do_one_batch,learn.all_batches = self._batch,self._all_batches   # (`_end` takes them away, however the fit ends)
+
+@patch
+def before_train(self:StepGraphCallback):
+    if self.ready: return
+    try: self._setup()
+    except BaseException: self._end(); raise
+
+@patch
+def _setup(self:StepGraphCallback):
+    "At the fit's first training phase (every callback's `before_fit` done): whether and how it captures"
+    learn = self.fit_learn
     p = next(learn.model.parameters(), None)
+    self.ready,self.on = True,False
     if not self._can_capture(p):
         warnings.warn(f"StepGraphCallback: the model is on {p.device if p is not None else 'no device'}; CUDA graphs need a "
                       "CUDA device, so this fit trains as fastai does"); return
@@ -108,74 +131,86 @@ def before_fit(self:StepGraphCallback):
     if why: raise ValueError(f"StepGraphCallback: {why}")
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
-    self.params,self.mods = list(learn.model.parameters()),list(learn.model.modules())   # (read by `_key` each batch)
-    self.stream = torch.cuda.Stream() if p.is_cuda else None
+    self.params,self.mods,self.dev = list(learn.model.parameters()),list(learn.model.modules()),p.device
+    if p.is_cuda and (self.stream is None or self.stream.device != p.device): self.stream = torch.cuda.Stream(device=p.device)
     self.on = True
-    learn._do_one_batch = self._do_one_batch   # this fit's training batches (`_end` takes both away, however the fit ends)
-    def all_batches():
-        try: type(learn).all_batches(learn)
-        except _CANCELS: raise        # (fastai goes on: the next epoch, or `after_fit`)
-        except BaseException: self._end(); raise
-    learn.all_batches = all_batches
+
+@patch
+def _all_batches(self:StepGraphCallback):
+    "fastai's `all_batches`; an error or an interrupt ends the fit's graph (fastai runs no `after_fit` then)"
+    learn = self.fit_learn
+    try: type(learn).all_batches(learn)
+    except _CANCELS: raise        # (fastai goes on: the next epoch, or `after_fit`)
+    except BaseException: self._end(); raise
 
 @patch
 def after_fit(self:StepGraphCallback): self._end()
 
 # %% ../nbs/04e_step_graph.ipynb #21a8ae54
 @patch
-def _key(self:StepGraphCallback, xs, ys, plan):
-    learn = self.learn
+def _key(self:StepGraphCallback, xs, ys):
+    learn = self.fit_learn
+    st = learn.opt.state
     return StepKey(tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in xs + ys),
-                   tuple(p.requires_grad for p in self.params), tuple(m.training for m in self.mods),
-                   learn.opt.plan_key(plan), id(learn.loss_func))
+                   tuple((p.requires_grad, p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr(), id(st.get(p))) for p in self.params),
+                   tuple(m.training for m in self.mods), (id(learn.opt), id(st)), id(learn.loss_func))
 
 @patch
-def _do_one_batch(self:StepGraphCallback):
-    "fastai's `_do_one_batch`: a training batch replayed (or run as the graph runs it, before its capture); anything else fastai's"
-    learn = self.learn
-    if not (self.on and learn.training and len(learn.yb) and any(c is self for c in learn.cbs)):
-        return type(learn)._do_one_batch(learn)
+def _batch(self:StepGraphCallback):
+    "fastai's `_do_one_batch` for this fit: a training batch replayed (or run as the graph runs it, before its capture); anything else fastai's"
+    learn = self.fit_learn
+    fastai = lambda: type(learn)._do_one_batch(learn)
+    if not any(c is self for c in learn.cbs): self._end(); return fastai()   # (removed mid-fit)
+    if not (learn.training and len(learn.yb)): return fastai()
+    if not self.ready or learn.model is not self.eager: self._end_graph(); self._setup()
     xs,ys = tuple(learn.xb),tuple(learn.yb)   # (as fastai gives them: plain tensors after its `CastToTensor`)
-    if not all(isinstance(t, torch.Tensor) for t in xs + ys): return type(learn)._do_one_batch(learn)
-    plan = learn.opt._plan()
-    key,g = self._key(xs, ys, plan),self.graph
-    if g is not None and key == g.key:
-        learn.opt.device_numbers(plan); g.replay(xs, ys); self.counts['replayed'] += 1
-        return self._events(g.pred, g.loss)
+    if not (self.on and all(isinstance(t, torch.Tensor) for t in xs + ys)): return fastai()
+    with torch.cuda.device(self.dev) if self.dev.type == 'cuda' else contextlib.nullcontext(): return self._train_batch(xs, ys, fastai)
+
+@patch
+def _train_batch(self:StepGraphCallback, xs, ys, fastai):
+    learn = self.fit_learn
+    key,g = self._key(xs, ys),self.graph
+    if g is not None and key == g.key: return self._replay(g, xs, ys)
     if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's)
     if key.inputs != self.layout:   # another batch shape (a last, smaller batch): fastai's own step
-        self.counts['fastai'] += 1; return type(learn)._do_one_batch(learn)
-    if g is not None: self._end_graph()   # the step changed (`unfreeze`, a new parameter, modes): captured again
+        self.counts['fastai'] += 1; return fastai()
+    if g is not None: self._end_graph(); key = self._key(xs, ys)   # the step changed (`unfreeze`, a first gradient, modes, a new state): captured again (the gradients in memory of their own now)
     n = self.seen[1] if self.seen[0] == key else 0
     if n < self.warmup:
         self.seen = (key, n+1); self.counts['eager'] += 1
         return self._events(*self._eager(xs, ys))
-    self.graph = g = self._capture(key, xs, ys); self.counts['captured'] += 1
-    learn.opt.device_numbers(); g.replay(xs, ys); self.counts['replayed'] += 1
+    self.graph = g = self._capture(xs, ys); self.counts['captured'] += 1
+    return self._replay(g, xs, ys)
+
+@patch
+def _replay(self:StepGraphCallback, g, xs, ys):
+    self.fit_learn.opt.device_numbers(g.plan)   # (this step's numbers, written before the replay reads them)
+    g.replay(xs, ys); self.counts['replayed'] += 1
     return self._events(g.pred, g.loss)
 
 # %% ../nbs/04e_step_graph.ipynb #2d6e769e
 @patch
 def _contexts(self:StepGraphCallback):
     "(the forward's, the backward's) autocast: the fit's `MixedPrecision` autocast without its cache around the forward and the loss (a graph cannot keep a cache), none around the backward and the step (fastai leaves it at `after_loss`)"
-    mp = next((c for c in self.learn.cbs if isinstance(c, MixedPrecision)), None)
+    mp = next((c for c in self.fit_learn.cbs if isinstance(c, MixedPrecision)), None)
     if mp is None or getattr(mp, 'autocast', None) is None: return contextlib.nullcontext,contextlib.nullcontext
-    dev = next(self.eager.parameters()).device.type
+    dev = self.dev.type
     return (lambda: torch.autocast(dev, dtype=mp.autocast.fast_dtype, cache_enabled=False)),(lambda: torch.autocast(dev, enabled=False))
 
 @patch
 def _step(self:StepGraphCallback, xs, ys, eager=False):
     "The training step the graph holds, as fastai's `_do_one_batch` and `_do_grad_opt` run it: forward and loss, backward, the optimizer's step (`device_step`; its numbers written here when `eager`, before each replay otherwise), the gradients zeroed"
     fwd,bwd = self._contexts()
-    opt = self.learn.opt
+    learn = self.fit_learn
     with fwd():
         pred = self.module(*xs)
         if fwd is not contextlib.nullcontext: pred = to_float(pred)   # (`MixedPrecision.after_pred`)
-        loss = self.learn.loss_func(pred, *ys)
+        loss = learn.loss_func(pred, *ys)
     with bwd():
         loss.backward()
-        if eager: opt.device_numbers()
-        opt.device_step(); opt.zero_grad()
+        if eager: learn.opt.device_numbers()
+        learn.opt.device_step(); learn.opt.zero_grad()
     return pred,loss
 
 # %% ../nbs/04e_step_graph.ipynb #f3106255
@@ -183,7 +218,7 @@ def _step(self:StepGraphCallback, xs, ys, eager=False):
 def _eager(self:StepGraphCallback, xs, ys):
     "One step as the graph runs it, launched as it comes (on the side stream on a GPU: CUDA graphs want their warm-up there): (prediction, loss)"
     if self.stream is None: return self._step(xs, ys, eager=True)
-    s,cur = self.stream,torch.cuda.current_stream()
+    s,cur = self.stream,torch.cuda.current_stream(self.dev)
     s.wait_stream(cur)
     with torch.cuda.stream(s): pred,loss = self._step(xs, ys, eager=True)
     cur.wait_stream(s)
@@ -192,36 +227,43 @@ def _eager(self:StepGraphCallback, xs, ys):
     return pred,loss
 
 @patch
-def _capture(self:StepGraphCallback, key, xs, ys):
-    "The step captured for `key`, its inputs a copy of this batch. The trainable tensors' gradients become the graph's own memory (its backward writes them, as it did in the script that measured it), zeroed at the end of each replay as fastai zeroes them"
-    opt = self.learn.opt
-    grads = tuple(p for p in self.eager.parameters() if p.requires_grad and p.grad is not None)
+def _capture(self:StepGraphCallback, xs, ys):
+    "The step captured, its inputs a copy of this batch. The trainable tensors' gradients become the graph's own memory (its backward writes them, as in the plain loop that measured it), zeroed at the end of each replay as fastai zeroes them"
+    learn = self.fit_learn
+    opt = learn.opt
+    if _hooked(self.eager): raise ValueError("StepGraphCallback: the model has hooks now (added after the fit began, e.g. `wandb.watch`): Python a replayed graph would skip")
+    grads = tuple(p for p in self.params if p.requires_grad and p.grad is not None)
     for p in grads: p.grad = None
     sx,sy = tuple(t.clone() for t in xs),tuple(t.clone() for t in ys)
     opt.captured = None
-    try: graph,pred,loss = self._record(lambda: self._step(sx, sy), grads)
-    except Exception as e:
+    def refill():   # (a capture runs nothing: what its backward left in the gradients is not a gradient)
         with torch.no_grad():
-            for p in grads:
-                if p.grad is None: p.grad = torch.zeros_like(p)
+            for p in grads: p.grad = torch.zeros_like(p)
+    try: graph,pred,loss = self._record(lambda: self._step(sx, sy), grads)
+    except BaseException as e:
+        refill()
+        if not isinstance(e, Exception): raise
         raise RuntimeError(f"StepGraphCallback: the training step could not be captured as one CUDA graph ({type(e).__name__}: "
-                           f"{e}); something in the model or the loss needs the host (a `.item()`, a shape read from a tensor): "
-                           "train without this callback, or with `CudaGraphCallback`") from e
-    opt.captured = key.plan   # (`device_numbers` refuses another structure from now on)
-    return StepGraph(key, self.learn.loss_func, sx, sy, graph, pred, loss, grads)
+                           f"{e}); something in the model or the loss needs the host (a `.item()`, a shape read from a tensor, "
+                           "a new allocation of pinned memory): train without this callback, or with `CudaGraphCallback`") from e
+    plan = opt._plan()
+    if any(p.grad is None for p in grads):
+        refill(); raise RuntimeError("StepGraphCallback: the captured backward gave no gradient to a tensor that had one")
+    opt.captured = opt.plan_key(plan)   # (`device_numbers` refuses another structure from now on)
+    return StepGraph(self._key(xs, ys), learn.loss_func, sx, sy, graph, pred, loss, grads, plan)   # (the key with the graph's gradients)
 
 @patch
 def _record(self:StepGraphCallback, step, grads):
-    "A CUDA graph of `step()` on the side stream: (the graph, its prediction, its loss)"
+    "A CUDA graph of `step()` on the side stream: (the graph, its prediction, its loss). Only this thread's calls can spoil the capture (`thread_local`): DALI's threads go on preparing the next batches"
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=self.stream): pred,loss = step()
+    with torch.cuda.graph(g, stream=self.stream, capture_error_mode='thread_local'): pred,loss = step()
     return g,pred,loss
 
 # %% ../nbs/04e_step_graph.ipynb #c7c248d0
 @patch
 def _events(self:StepGraphCallback, pred, loss):
     "What fastai's `_do_one_batch` leaves and runs for a training batch: `learn.pred`, `learn.loss_grad` and `learn.loss` (copies of their own), then the step's events"
-    learn = self.learn
+    learn = self.fit_learn
     pred,loss = apply(lambda t: t.detach().clone(), pred),loss.detach().clone()
     learn.pred = pred; learn('after_pred')
     learn.loss_grad = learn.loss = loss; learn('after_loss')
@@ -230,19 +272,20 @@ def _events(self:StepGraphCallback, pred, loss):
 @patch
 def _end_graph(self:StepGraphCallback):
     "No graph: the gradients it held in memory of their own (zeros, as fastai leaves them), the optimizer free to step any structure"
-    learn = getattr(self, 'learn', None)
-    if isinstance(getattr(learn, 'opt', None), ForeachOptimizer): learn.opt.captured = None
+    opt = getattr(self.fit_learn, 'opt', None)
+    if isinstance(opt, ForeachOptimizer): opt.captured = None
     if self.graph is not None:
         with torch.no_grad():
             for p in self.graph.grads:
                 if p.grad is not None: p.grad = torch.zeros_like(p.grad)
-    self.graph = None
+    self.graph,self.seen = None,(None, 0)
 
 @patch
 def _end(self:StepGraphCallback):
     "fastai's own learner again (however the fit ended): no graph, no batch of ours"
-    learn = getattr(self, 'learn', None)
+    learn = self.fit_learn
     if learn is not None:
-        for k in ('_do_one_batch', 'all_batches'): vars(learn).pop(k, None)
+        for k in ('_do_one_batch', 'all_batches'):
+            if getattr(vars(learn).get(k), '__self__', None) is self: del vars(learn)[k]
     self._end_graph()
-    self.on,self.layout,self.seen = False,None,(None, 0)
+    self.fit_learn,self.ready,self.on,self.layout = None,False,False,None
