@@ -72,6 +72,7 @@ class StepKey:
     modes: tuple      # `training` of each module (`BnFreeze`)
     opt: tuple        # `id` of the optimizer and of its state (`load_state_dict`, `clear_state` make a new one)
     loss_func: int    # `id` of the loss function (kept alive by the graph that holds it)
+    amp: object       # the fit's mixed precision (`MixedPrecision`'s dtype, or None)
 
 class StepGraph:
     "One captured training step: its key, the tensors whose addresses it reads and writes (the batch's copy, the prediction and loss), the graph, and the optimizer's plan it steps"
@@ -86,7 +87,7 @@ class StepGraph:
 _CANCELS = (CancelFitException, CancelEpochException, CancelTrainException, CancelValidException, CancelBatchException)
 
 class StepGraphCallback(Callback):
-    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches of each fit and replayed; the model's kernels `torch.compile`'s when `compile`"
+    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`"
     order = 12  # (fastai's `MixedPrecision` is 10)
     _stateattrs = ('graph','module','eager','stream','params','mods')  # a graph, a compiled module, a stream are not pickled (`learn.export`)
     def __init__(self, compile:bool=True, warmup:int=3):
@@ -95,7 +96,7 @@ class StepGraphCallback(Callback):
     def _init_state(self):
         super()._init_state()
         self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model; the side stream
-        self.params,self.mods,self.dev = [],[],None   # the model's parameters and modules, listed once a fit; their device
+        self.params,self.mods,self.dev,self.amp = [],[],None,None   # the model's parameters and modules, listed once a fit; their device; its autocast dtype
         self.fit_learn = None                         # the learner whose fit this is (fastai sets `learn` to None on `remove_cb`)
         self.ready,self.on,self.layout = False,False,None  # set up (at the fit's first training batch); capturing; its batches' layout
         self.seen = (None, 0)                         # the key of the last batches run eagerly, and how many in a row
@@ -107,7 +108,7 @@ class StepGraphCallback(Callback):
 @patch
 def before_fit(self:StepGraphCallback):
     "Take over the learner's batches for this fit (fastai's `validate`, `get_preds` and `predict` pass through here too: nothing else happens until a training batch)"
-    self._end()   # (a fit cut by an error outside its batches left its graph: none survives into another fit)
+    self._end(keep=True)   # (what a fit cut by an error outside its batches left on the learner)
     self.counts = {k: 0 for k in self.counts}
     self.fit_learn = learn = self.learn
     learn._do_one_batch,learn.all_batches = self._batch,self._all_batches   # (`_end` takes them away, however the fit ends)
@@ -132,6 +133,8 @@ def _setup(self:StepGraphCallback):
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
     self.params,self.mods,self.dev = list(learn.model.parameters()),list(learn.model.modules()),p.device
+    mp = next((c for c in learn.cbs if isinstance(c, MixedPrecision)), None)
+    self.amp = getattr(getattr(mp, 'autocast', None), 'fast_dtype', None)
     if p.is_cuda and (self.stream is None or self.stream.device != p.device): self.stream = torch.cuda.Stream(device=p.device)
     self.on = True
 
@@ -144,7 +147,12 @@ def _all_batches(self:StepGraphCallback):
     except BaseException: self._end(); raise
 
 @patch
-def after_fit(self:StepGraphCallback): self._end()
+def after_fit(self:StepGraphCallback): self._end(keep=True)   # (the graph kept for the next fit: replayed there if its key still holds)
+
+@patch
+def release(self:StepGraphCallback):
+    "Give back the graph and its memory (the step's activations) now, rather than at the next change of its key"
+    self._end_graph()
 
 # %% ../nbs/04e_step_graph.ipynb #21a8ae54
 @patch
@@ -153,7 +161,7 @@ def _key(self:StepGraphCallback, xs, ys):
     st = learn.opt.state
     return StepKey(tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in xs + ys),
                    tuple((p.requires_grad, p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr(), id(st.get(p))) for p in self.params),
-                   tuple(m.training for m in self.mods), (id(learn.opt), id(st)), id(learn.loss_func))
+                   tuple(m.training for m in self.mods), (id(learn.opt), id(st)), id(learn.loss_func), self.amp)
 
 @patch
 def _batch(self:StepGraphCallback):
@@ -172,7 +180,7 @@ def _train_batch(self:StepGraphCallback, xs, ys, fastai):
     learn = self.fit_learn
     key,g = self._key(xs, ys),self.graph
     if g is not None and key == g.key: return self._replay(g, xs, ys)
-    if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's)
+    if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's, unless replayed)
     if key.inputs != self.layout:   # another batch shape (a last, smaller batch): fastai's own step
         self.counts['fastai'] += 1; return fastai()
     if g is not None: self._end_graph(); key = self._key(xs, ys)   # the step changed (`unfreeze`, a first gradient, modes, a new state): captured again (the gradients in memory of their own now)
@@ -272,7 +280,7 @@ def _events(self:StepGraphCallback, pred, loss):
 @patch
 def _end_graph(self:StepGraphCallback):
     "No graph: the gradients it held in memory of their own (zeros, as fastai leaves them), the optimizer free to step any structure"
-    opt = getattr(self.fit_learn, 'opt', None)
+    opt = getattr(self.fit_learn or getattr(self, 'learn', None), 'opt', None)   # (between fits: the learner it is in)
     if isinstance(opt, ForeachOptimizer): opt.captured = None
     if self.graph is not None:
         with torch.no_grad():
@@ -281,11 +289,11 @@ def _end_graph(self:StepGraphCallback):
     self.graph,self.seen = None,(None, 0)
 
 @patch
-def _end(self:StepGraphCallback):
-    "fastai's own learner again (however the fit ended): no graph, no batch of ours"
+def _end(self:StepGraphCallback, keep=False):
+    "fastai's own learner again (however the fit ended): no batch of ours; no graph unless `keep` (a fit that ended as fits end)"
     learn = self.fit_learn
     if learn is not None:
         for k in ('_do_one_batch', 'all_batches'):
             if getattr(vars(learn).get(k), '__self__', None) is self: del vars(learn)[k]
-    self._end_graph()
-    self.fit_learn,self.ready,self.on,self.layout = None,False,False,None
+    if not keep: self._end_graph()
+    self.fit_learn,self.ready,self.on,self.seen,self.layout = None,False,False,(None, 0),None

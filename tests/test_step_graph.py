@@ -116,10 +116,13 @@ def test_step_graph_fine_tune_lr_find_interrupted(id_root):
     with learn.no_bar(): sug = learn.lr_find(num_it=20, show_plot=False)
     assert all(torch.equal(p, q) for p,q in zip(learn.model.parameters(), before)) and sug.valley > 0   # fastai puts the weights back
     with learn.no_bar(): learn.fine_tune(1, 1e-2, freeze_epochs=1)
-    assert cb.counts['captured'] == 1 and cb.counts['replayed'] > 0 and cb.graph is None, cb.counts   # (the last fit's)
+    assert cb.counts['captured'] == 1 and cb.counts['replayed'] > 0 and cb.graph is not None, cb.counts   # (the last fit's; its graph kept)
     try:
         with learn.no_bar(): learn.fit(2, cbs=Stop())
     except KeyboardInterrupt: pass
     assert cb.graph is None and '_do_one_batch' not in vars(learn) and learn.opt.captured is None
     with learn.no_bar(): learn.fit(1)
     assert cb.counts['captured'] == 1 and torch.isfinite(torch.tensor(learn.recorder.values[-1])).all()
+    with learn.no_bar(): learn.fit(1)   # the graph of the fit before, replayed from the first batch
+    assert cb.counts['captured'] == 0 and cb.counts['eager'] == 0 and cb.counts['replayed'] > 0, cb.counts
+    cb.release(); assert cb.graph is None and learn.opt.captured is None
