@@ -8,7 +8,7 @@ import json, statistics
 from ..core import *
 from .core import *
 from .core import ROW_RAW, workers_name, IDL_ROW_RE
-from .training import TRACE_PHASES, ROW_FAST, ROW_GRAPHS, ROW_DEFAULT, ROW_PLAIN_ADAMW, ROW_PLAIN_FUSED, ROW_PLAIN_GRAPHS
+from .training import TRACE_PHASES, ROW_FAST, ROW_GRAPHS, ROW_STEP, ROW_DEFAULT, ROW_PLAIN_ADAMW, ROW_PLAIN_FUSED, ROW_PLAIN_GRAPHS
 from .loaders import epochs_markdown
 from .targets import ROW_LABELS, ROW_POINTS, ROW_BOXES, ROW_CONTROL, targets_title
 from .scale import scale_markdown
@@ -88,7 +88,8 @@ def throughput_targets(res, gpu, W=None):
         fast_goal,fast_aug_goal = GOALS['fast'][a],GOALS['fast_aug'][a]
         C = {'plain loop (AdamW, synthetic)': f.get(ROW_PLAIN_ADAMW), 'plain loop (fused AdamW, CUDA graphs, synthetic)': f.get(ROW_PLAIN_GRAPHS)}
         for row,K,ceilings in ((ROW_FAST, 'ForeachAdam + DeviceLossCallback', list(C)[:1]),
-                               (ROW_GRAPHS, 'ForeachAdam + DeviceLossCallback + CudaGraphCallback', list(C))):
+                               (ROW_GRAPHS, 'ForeachAdam + DeviceLossCallback + CudaGraphCallback', list(C)),
+                               (ROW_STEP, 'ForeachAdam + DeviceLossCallback + StepGraphCallback', list(C))):
             if (v := f.get(row)) is None: continue
             for cn in ceilings:
                 if not (c := C[cn]): continue

@@ -11,10 +11,11 @@ from ..demo import cuda_sync, gpu_memory_mb, train_timer
 from .core import workers_name, labelled_bar
 
 # %% auto #0
-__all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_DEFAULT', 'ROW_PLAIN_GRAPHS', 'TRACE_PHASES',
-           'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer', 'torch_loop_epochs',
-           'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds', 'drop_kineto_lines', 'quiet_kineto',
-           'trace_summary', 'fit_trace', 'memory_over_epochs', 'training_section', 'trace_section']
+__all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_STEP', 'ROW_DEFAULT', 'ROW_PLAIN_GRAPHS',
+           'TRACE_PHASES', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer',
+           'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds',
+           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'memory_over_epochs', 'training_section',
+           'trace_section']
 
 # %% ../../nbs/07d_bench_training.ipynb #abb17651
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -22,6 +23,7 @@ ROW_PLAIN_ADAMW = "plain PyTorch loop, synthetic batches, AdamW (fastai's Adam)"
 ROW_PLAIN_FUSED = 'plain PyTorch loop, synthetic batches, fused AdamW'
 ROW_FAST = 'DaliDataLoaders, ForeachAdam, DeviceLossCallback'
 ROW_GRAPHS = f'{ROW_FAST}, CudaGraphCallback'  # the fast path with training batches as CUDA graphs
+ROW_STEP = f'{ROW_FAST}, StepGraphCallback'    # the fast path with the whole training step one CUDA graph
 ROW_DEFAULT = "DaliDataLoaders, a Learner's defaults (DaliFastPathCallback)"  # what a user who only swaps the class name trains
 ROW_PLAIN_GRAPHS = f'{ROW_PLAIN_FUSED}, CUDA graphs'  # its like-for-like ceiling: the plain loop compiled as it compiles the model
 
@@ -34,6 +36,7 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.vision.learner import create_vision_model
 from ..training import CudaGraphCallback
+from ..step_graph import StepGraphCallback
 
 class SyntheticDL(DataLoader):
     "`n_batches` copies of one random batch already on `device`: the data-loading-free ceiling"
@@ -115,13 +118,15 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
 
 def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None, fast_path=False):
     """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
-    if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs))
+    if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs),
+    'step' (`StepGraphCallback`: the whole training step one CUDA graph, the model's kernels compiled))
     one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s (with
     `fast_path`, on `DaliDataLoaders`, the Learner as a user's is made, `DaliFastPathCallback`'s swaps included; without it,
     the default here, fastai's own loop unless `opt_func`/`cbs` say otherwise); the
     wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False)
     if compile == 'reduce-overhead': cbs = [*cbs, CudaGraphCallback()]  # what a user gets: training batches as CUDA graphs
+    elif compile == 'step': cbs = [*cbs, StepGraphCallback()]   # the whole step one graph (kept from one `fit` to the next)
     elif compile: learn.model = torch.compile(learn.model, mode=None if compile == 'default' else compile)
     def epoch():
         t0 = time.perf_counter()
@@ -319,11 +324,14 @@ def _training_rows(dls, syn, sdl, D, dls_ld, W, compiled):
         # mode 'max-autotune-no-cudagraphs' is left out: on the H200 (2026-12-02) its resnet18 compilation took 264 s
         # for 7,105 img/s against eager's 6,012 (rounds 5,023-7,002), and resnet50's did not end within 9 minutes
         G = lambda d: F(d, fast=True, loss=True, compile='reduce-overhead')
+        T = lambda d: F(d, fast=True, loss=True, compile='step')
         rows.update({f'{ROW_FAST}, torch.compile (default)': F(dls, fast=True, loss=True, compile='default'),
                      ROW_PLAIN_GRAPHS: P(sdl, 'adamw_fused', graphs=True),
                      'plain PyTorch loop, DaliDataLoaders, fused AdamW, CUDA graphs': P(dls.train, 'adamw_fused', graphs=True),
                      'model only, ForeachAdam, DeviceLossCallback, CudaGraphCallback': G(syn), ROW_GRAPHS: G(dls),
-                     f'{ROW_GRAPHS}, RandomResizedCrop + aug_transforms()': G(D['rrc'])})
+                     f'{ROW_GRAPHS}, RandomResizedCrop + aug_transforms()': G(D['rrc']),
+                     'model only, ForeachAdam, DeviceLossCallback, StepGraphCallback': T(syn), ROW_STEP: T(dls),
+                     f'{ROW_STEP}, RandomResizedCrop + aug_transforms()': T(D['rrc'])})
     return rows
 
 def training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
