@@ -100,7 +100,7 @@ class StepGraphCallback(Callback):
         self.fit_learn = None                         # the learner whose fit this is (fastai sets `learn` to None on `remove_cb`)
         self.ready,self.on,self.layout = False,False,None  # set up (at the fit's first training batch); capturing; its batches' layout
         self.seen = (None, 0)                         # the key of the last batches run eagerly, and how many in a row
-        self.counts = dict(replayed=0, captured=0, eager=0, fastai=0)  # this fit's training batches, by how they ran
+        self.counts = dict(replayed=0, captured=0, eager=0, fastai=0)  # the training batches of the last fit that trained, by how they ran
 
     def _can_capture(self, p): return p is not None and p.device.type == 'cuda'
 
@@ -109,13 +109,13 @@ class StepGraphCallback(Callback):
 def before_fit(self:StepGraphCallback):
     "Take over the learner's batches for this fit (fastai's `validate`, `get_preds` and `predict` pass through here too: nothing else happens until a training batch)"
     self._end(keep=True)   # (what a fit cut by an error outside its batches left on the learner)
-    self.counts = {k: 0 for k in self.counts}
     self.fit_learn = learn = self.learn
     learn._do_one_batch,learn.all_batches = self._batch,self._all_batches   # (`_end` takes them away, however the fit ends)
 
 @patch
 def before_train(self:StepGraphCallback):
     if self.ready: return
+    self.counts = {k: 0 for k in self.counts}   # (the last fit that trained: `get_preds` after it keeps them)
     try: self._setup()
     except BaseException: self._end(); raise
 
@@ -179,8 +179,8 @@ def _batch(self:StepGraphCallback):
 def _train_batch(self:StepGraphCallback, xs, ys, fastai):
     learn = self.fit_learn
     key,g = self._key(xs, ys),self.graph
+    if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's)
     if g is not None and key == g.key: return self._replay(g, xs, ys)
-    if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's, unless replayed)
     if key.inputs != self.layout:   # another batch shape (a last, smaller batch): fastai's own step
         self.counts['fastai'] += 1; return fastai()
     if g is not None: self._end_graph(); key = self._key(xs, ys)   # the step changed (`unfreeze`, a first gradient, modes, a new state): captured again (the gradients in memory of their own now)
