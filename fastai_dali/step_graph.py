@@ -76,7 +76,7 @@ class StepKey:
 
 class StepGraph:
     "One captured training step: its key, the tensors whose addresses it reads and writes (the batch's copy, the prediction and loss), the graph, and the optimizer's plan it steps"
-    def __init__(self, key:StepKey, loss_func, xs:tuple, ys:tuple, graph, pred=None, loss=None, grads:tuple=(), plan=None):
+    def __init__(self, key:StepKey, loss_func, xs:tuple, ys:tuple, graph, pred=None, loss=None, grads:tuple=(), plan=None, opt=None):
         store_attr()  # (`grads`: the tensors whose gradient the graph's own memory holds)
     def replay(self, xs, ys):
         "Copy the batch into the graph's inputs, run it"
@@ -132,6 +132,7 @@ def _setup(self:StepGraphCallback):
     if why: raise ValueError(f"StepGraphCallback: {why}")
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
+    if self.graph is None and isinstance(learn.opt, ForeachOptimizer): learn.opt.captured = None   # (another callback's capture, given back with it)
     self.params,self.mods,self.dev = list(learn.model.parameters()),list(learn.model.modules()),p.device
     mp = next((c for c in learn.cbs if isinstance(c, MixedPrecision)), None)
     self.amp = getattr(getattr(mp, 'autocast', None), 'fast_dtype', None)
@@ -141,7 +142,7 @@ def _setup(self:StepGraphCallback):
 @patch
 def _all_batches(self:StepGraphCallback):
     "fastai's `all_batches`; an error or an interrupt ends the fit's graph (fastai runs no `after_fit` then)"
-    learn = self.fit_learn
+    learn = self.fit_learn or self.learn
     try: type(learn).all_batches(learn)
     except _CANCELS: raise        # (fastai goes on: the next epoch, or `after_fit`)
     except BaseException: self._end(); raise
@@ -166,13 +167,13 @@ def _key(self:StepGraphCallback, xs, ys):
 @patch
 def _batch(self:StepGraphCallback):
     "fastai's `_do_one_batch` for this fit: a training batch replayed (or run as the graph runs it, before its capture); anything else fastai's"
-    learn = self.fit_learn
+    learn = self.fit_learn or self.learn   # (an exported learner that kept the override: the one it is in)
     fastai = lambda: type(learn)._do_one_batch(learn)
     if not any(c is self for c in learn.cbs): self._end(); return fastai()   # (removed mid-fit)
     if not (learn.training and len(learn.yb)): return fastai()
-    if not self.ready or learn.model is not self.eager: self._end_graph(); self._setup()
+    if not self.ready or (self.on and learn.model is not self.eager): self._end_graph(); self._setup()
     xs,ys = tuple(learn.xb),tuple(learn.yb)   # (as fastai gives them: plain tensors after its `CastToTensor`)
-    if not (self.on and all(isinstance(t, torch.Tensor) for t in xs + ys)): return fastai()
+    if not (self.on and all(isinstance(t, torch.Tensor) and t.device == self.dev for t in xs + ys)): return fastai()
     with torch.cuda.device(self.dev) if self.dev.type == 'cuda' else contextlib.nullcontext(): return self._train_batch(xs, ys, fastai)
 
 @patch
@@ -251,20 +252,23 @@ def _capture(self:StepGraphCallback, xs, ys):
     except BaseException as e:
         refill()
         if not isinstance(e, Exception): raise
-        raise RuntimeError(f"StepGraphCallback: the training step could not be captured as one CUDA graph ({type(e).__name__}: "
-                           f"{e}); something in the model or the loss needs the host (a `.item()`, a shape read from a tensor, "
-                           "a new allocation of pinned memory): train without this callback, or with `CudaGraphCallback`") from e
+        first = e.__context__ if isinstance(e.__context__, Exception) else e   # (the capture's end reports only that it failed)
+        raise RuntimeError(f"StepGraphCallback: the training step could not be captured as one CUDA graph ({type(first).__name__}: "
+                           f"{first}); something in the model or the loss needs the host (a `.item()`, a shape read from a tensor, "
+                           "a new allocation of pinned memory): train without this callback, or with `CudaGraphCallback` (in a new "
+                           "process: a failed capture can leave CUDA's allocator in its capture)") from e
     plan = opt._plan()
     if any(p.grad is None for p in grads):
         refill(); raise RuntimeError("StepGraphCallback: the captured backward gave no gradient to a tensor that had one")
     opt.captured = opt.plan_key(plan)   # (`device_numbers` refuses another structure from now on)
-    return StepGraph(self._key(xs, ys), learn.loss_func, sx, sy, graph, pred, loss, grads, plan)   # (the key with the graph's gradients)
+    return StepGraph(self._key(xs, ys), learn.loss_func, sx, sy, graph, pred, loss, grads, plan, opt)   # (the key with the graph's gradients)
 
 @patch
 def _record(self:StepGraphCallback, step, grads):
     "A CUDA graph of `step()` on the side stream: (the graph, its prediction, its loss). Only this thread's calls can spoil the capture (`thread_local`): DALI's threads go on preparing the next batches"
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=self.stream, capture_error_mode='thread_local'): pred,loss = step()
+    with torch.cuda.stream(self.stream):   # (put back however the capture ends: torch's own context skips it when the capture fails)
+        with torch.cuda.graph(g, stream=self.stream, capture_error_mode='thread_local'): pred,loss = step()
     return g,pred,loss
 
 # %% ../nbs/04e_step_graph.ipynb #c7c248d0
@@ -280,7 +284,7 @@ def _events(self:StepGraphCallback, pred, loss):
 @patch
 def _end_graph(self:StepGraphCallback):
     "No graph: the gradients it held in memory of their own (zeros, as fastai leaves them), the optimizer free to step any structure"
-    opt = getattr(self.fit_learn or getattr(self, 'learn', None), 'opt', None)   # (between fits: the learner it is in)
+    opt = self.graph.opt if self.graph is not None else getattr(self.fit_learn, 'opt', None)
     if isinstance(opt, ForeachOptimizer): opt.captured = None
     if self.graph is not None:
         with torch.no_grad():

@@ -138,7 +138,7 @@ def build_at_once(*dls, timeout=300):
 # (`--no-loadscope-reorder`, set here) and the collection order below decides. Within a file the order stays. A process
 # starts a test only once it holds the next one too (fixtures are torn down by what comes next), so the process given a
 # one-test file gets a second file at once.
-LONGEST_FIRST = ('test_lifecycle.py', 'test_abandoned_epochs.py', 'test_parity.py', 'test_factories.py',
+LONGEST_FIRST = ('test_lifecycle.py', 'test_abandoned_epochs.py', 'test_step_graph.py', 'test_parity.py', 'test_factories.py',
                  'test_user_commands.py', 'test_item_order.py', 'test_augment.py', 'test_exactly_once.py', 'test_bad_input.py',
                  'test_optimizer.py', 'test_resize_window.py', 'test_training.py', 'test_mixed.py', 'test_segmentation.py',
                  'test_bench_cli.py', 'test_several_gpus_tutorial.py')

@@ -34,13 +34,13 @@ def small_cnn(n_out):
 torch_adamw = partial(OptimWrapper, opt=partial(torch.optim.AdamW, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.))
 
 def run(root, opt_func=ForeachAdam, cb=None, lr=1e-2, bf16=False, epochs=3):
-    "`epochs` epochs of `fit` (wd 0): the learner, and its batch losses, valid records, predictions, weights (flat, on the CPU)"
+    "`epochs` epochs of `fit_one_cycle` (wd 0): the learner, and its batch losses, valid records, predictions, weights (flat, on the CPU)"
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(8), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=6,
                                       device=DEVICE, shuffle=False)
     dls.fast_path = False   # (each run's optimizer the one it names: the fast path would make fastai's `Adam` its twin)
     learn = Learner(dls, small_cnn(dls.c).cuda(), lr=lr, wd=0., opt_func=opt_func, cbs=[cb] if cb is not None else None)
     if bf16: learn.to_bf16()
-    with learn.no_bar(): learn.fit(epochs)
+    with learn.no_bar(): learn.fit_one_cycle(epochs)   # (rates and momentum changed each batch: they must reach the replays)
     r = learn.recorder  # (read before `get_preds`, which empties the records)
     assert len(r.losses) == epochs*len(dls.train) and len(r.values) == epochs
     losses,values = torch.tensor([float(l) for l in r.losses]),torch.tensor(r.values)
