@@ -178,7 +178,6 @@ def _batch(self:StepGraphCallback):
 
 @patch
 def _train_batch(self:StepGraphCallback, xs, ys, fastai):
-    learn = self.fit_learn
     key,g = self._key(xs, ys),self.graph
     if self.layout is None: self.layout = key.inputs   # (the fit's batch layout: its first training batch's)
     if g is not None and key == g.key: return self._replay(g, xs, ys)
@@ -201,11 +200,10 @@ def _replay(self:StepGraphCallback, g, xs, ys):
 # %% ../nbs/04e_step_graph.ipynb #2d6e769e
 @patch
 def _contexts(self:StepGraphCallback):
-    "(the forward's, the backward's) autocast: the fit's `MixedPrecision` autocast without its cache around the forward and the loss (a graph cannot keep a cache), none around the backward and the step (fastai leaves it at `after_loss`)"
-    mp = next((c for c in self.fit_learn.cbs if isinstance(c, MixedPrecision)), None)
-    if mp is None or getattr(mp, 'autocast', None) is None: return contextlib.nullcontext,contextlib.nullcontext
+    "(the forward's, the backward's) autocast: the fit's `MixedPrecision` autocast (`amp`, found by `_setup`) without its cache around the forward and the loss (a graph cannot keep a cache), none around the backward and the step (fastai leaves it at `after_loss`)"
+    if self.amp is None: return contextlib.nullcontext,contextlib.nullcontext
     dev = self.dev.type
-    return (lambda: torch.autocast(dev, dtype=mp.autocast.fast_dtype, cache_enabled=False)),(lambda: torch.autocast(dev, enabled=False))
+    return (lambda: torch.autocast(dev, dtype=self.amp, cache_enabled=False)),(lambda: torch.autocast(dev, enabled=False))
 
 @patch
 def _step(self:StepGraphCallback, xs, ys, eager=False):
@@ -214,7 +212,7 @@ def _step(self:StepGraphCallback, xs, ys, eager=False):
     learn = self.fit_learn
     with fwd():
         pred = self.module(*xs)
-        if fwd is not contextlib.nullcontext: pred = to_float(pred)   # (`MixedPrecision.after_pred`)
+        if self.amp is not None: pred = to_float(pred)   # (`MixedPrecision.after_pred`)
         loss = learn.loss_func(pred, *ys)
     with bwd():
         loss.backward()
@@ -243,8 +241,7 @@ def _capture(self:StepGraphCallback, xs, ys):
     if _hooked(self.eager): raise ValueError("StepGraphCallback: the model has hooks now (added after the fit began, e.g. `wandb.watch`): Python a replayed graph would skip")
     grads = tuple(p for p in self.params if p.requires_grad and p.grad is not None)
     for p in grads: p.grad = None
-    sx,sy = tuple(t.clone() for t in xs),tuple(t.clone() for t in ys)
-    opt.captured = None
+    sx,sy = tuple(t.clone() for t in xs),tuple(t.clone() for t in ys)   # (`opt.captured` is None: no graph since the warm-up)
     def refill():   # (a capture runs nothing: what its backward left in the gradients is not a gradient)
         with torch.no_grad():
             for p in grads: p.grad = torch.zeros_like(p)

@@ -38,8 +38,7 @@ from fastai_dali.training import CudaGraphCallback, DeviceLossCallback
 from fastai_dali.optimizer import ForeachAdam
 from fastai_dali.step_graph import StepGraphCallback
 from fastai_dali.demo import make_bench_dataset
-from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT, bench_learner
-from fastai_dali.demo import train_timer
+from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
 sys.path.insert(0, os.path.dirname(__file__))
 from trace_kernel_split import split
 
@@ -117,16 +116,6 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
         torch.cuda.synchronize(); return n/(time.perf_counter()-t0)
     return epoch
 
-def one_fit(dls, arch, n_out, cbs, opt_func=None, fast_path=False, epochs=3):
-    "An epoch function over one `fit` of `epochs` epochs (its first call trains them all, each call returns the next epoch's img/s): for `StepGraphCallback`, which captures once a fit (where `fit_epochs` fits one epoch at a time)"
-    learn,t,runs = bench_learner(dls, arch, n_out, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False),[]
-    def epoch():
-        if not runs:
-            with learn.no_bar(), learn.no_logging(): learn.fit(epochs, 1e-3, cbs=[t, *cbs])
-            runs.extend(t.runs)
-        return runs.pop(0)
-    return epoch
-
 def trace(fn, epoch_fn, n=20):
     "torch.profiler over `n` batches of `epoch_fn` (after one untimed epoch): chrome trace to `fn`; the kernel split"
     from torch.profiler import profile, ProfilerActivity
@@ -173,14 +162,14 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[9]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True),
             ROWS[10]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True),
             ROWS[11]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True),
-            ROWS[12]: lambda: one_fit(DataLoaders(sdl, sdl), arch, dls.c, [DeviceLossCallback(), StepGraphCallback()], opt_func=ForeachAdam, epochs=epochs),
-            ROWS[13]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
-            ROWS[14]: lambda: one_fit(dls, arch, dls.c, [StepGraphCallback(compile=False)], fast_path=True, epochs=epochs),
-            ROWS[15]: lambda: one_fit(rrc(), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
+            ROWS[12]: lambda: fit_epochs(DataLoaders(sdl, sdl), arch, dls.c, opt_func=ForeachAdam, cbs=[DeviceLossCallback()], compile='step'),
+            ROWS[13]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, compile='step'),
+            ROWS[14]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[StepGraphCallback(compile=False)]),
+            ROWS[15]: lambda: fit_epochs(rrc(), arch, dls.c, fast_path=True, compile='step'),
             ROWS[16]: lambda: fit_epochs(rrc(), arch, dls.c, fast_path=True, cbs=[CudaGraphCallback()]),
             # the loader beside the graphs: fewer DALI threads (MLPerf's 6 a GPU), one more batch ahead
-            ROWS[17]: lambda: one_fit(DaliDataLoaders.from_folder(root, **kw, num_threads=6), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs),
-            ROWS[18]: lambda: one_fit(DaliDataLoaders.from_folder(root, **kw, prefetch=3), arch, dls.c, [StepGraphCallback()], fast_path=True, epochs=epochs)}
+            ROWS[17]: lambda: fit_epochs(DaliDataLoaders.from_folder(root, **kw, num_threads=6), arch, dls.c, fast_path=True, compile='step'),
+            ROWS[18]: lambda: fit_epochs(DaliDataLoaders.from_folder(root, **kw, prefetch=3), arch, dls.c, fast_path=True, compile='step')}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
