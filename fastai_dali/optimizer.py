@@ -230,6 +230,6 @@ def device_step(self:ForeachOptimizer):
         torch._foreach_mul_(sqrs, n('sqr_mom')); torch._foreach_add_(sqrs, g2)
         bufs = [self._buf(p) for p in ps]
         torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, n('debias2')); torch._foreach_sqrt_(bufs)
-        torch._foreach_add_(bufs, n('eps'))
+        torch._foreach_add_(bufs, n('eps'), alpha=1)   # (`alpha` picks the overload that reads the tensor on the device: without it, torch reads it on the host)
         u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, n('grad_step')); torch._foreach_add_(ps, u)
         if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
