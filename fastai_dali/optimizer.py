@@ -10,7 +10,7 @@ from fastcore.basics import *
 from fastai.optimizer import Optimizer, debias
 
 # %% auto #0
-__all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD']
+__all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'HostReads']
 
 # %% ../nbs/04c_optimizer.ipynb #c005
 class ForeachOptimizer(Optimizer):
@@ -233,3 +233,13 @@ def device_step(self:ForeachOptimizer):
         torch._foreach_add_(bufs, n('eps'), alpha=1)   # (`alpha` picks the overload that reads the tensor on the device: without it, torch reads it on the host)
         u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, n('grad_step')); torch._foreach_add_(ps, u)
         if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
+
+# %% ../nbs/04c_optimizer.ipynb #2f5cfb3b
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class HostReads(TorchDispatchMode):
+    "The aten ops run under it that read a tensor's number to the host (`.item()`, `float(t)`, a Scalar overload given a tensor): a host sync each time on a GPU, refused inside a CUDA graph's capture"
+    def __init__(self): super().__init__(); self.reads = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default: self.reads.append(func)
+        return func(*args, **(kwargs or {}))
