@@ -1,0 +1,95 @@
+"""The loader beside `StepGraphCallback`: where a graphed `learn.fit` on `DaliDataLoaders` loses to the same fit on
+synthetic batches (a GPU).
+
+Each variant in a process of its own (resnet18 by default; bf16, channels_last, bs 128, 224 px, 10,000 JPEGs of
+`make_bench_dataset`, the fast path + `StepGraphCallback`): a warm-up fit of one epoch, a timed one, then one epoch under
+cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
+(no loader), the loader's defaults, `prefetch` 3 and 4, `num_threads` 6 and 8. For the loader's defaults, a
+torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their
+union, how much of them overlap), per batch.
+
+    python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all)
+
+Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH.json.gz; prints a table.
+"""
+import cProfile, collections, gzip, json, os, pstats, subprocess, sys, tempfile, time
+
+VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4),
+            'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8)}
+
+def stream_split(events, batches):
+    "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
+    ks = [(e['ts'], e['ts'] + e['dur'], e.get('args', {}).get('stream'), e['name']) for e in events
+          if e.get('cat') == 'kernel' and e.get('ph') == 'X']
+    per,names = collections.Counter(),collections.defaultdict(collections.Counter)
+    for a,b,s,n in ks: per[s] += b - a; names[s][n[:60]] += b - a
+    busy,end = 0.,None
+    for a,b,_,_ in sorted(ks):   # (the union of the kernels' intervals)
+        if end is None or a > end: busy += b - a; end = b
+        elif b > end: busy += b - end; end = b
+    span = (max(b for _,b,_,_ in ks) - min(a for a,_,_,_ in ks)) if ks else 0.
+    ms = lambda us: round(us/1000/batches, 3)
+    return dict(per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
+                kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span))
+
+def one(out, arch, root, name):
+    import torch
+    from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders
+    from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.step_graph import StepGraphCallback
+    from fastai_dali.training import DeviceLossCallback
+    from fastai_dali.optimizer import ForeachAdam
+    from fastai_dali.bench.training import bench_learner, train_timer, SyntheticDL
+    dev = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cuda')   # (cpu: a dry run of this script, nothing graphed)
+    kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device=dev)
+    dls = DaliDataLoaders.from_folder(root, **kw, **VARIANTS[name])
+    cb,extra,c = StepGraphCallback(),{},dls.c
+    if name == 'synthetic':
+        sdl = SyntheticDL(bs=128, size=224, n_batches=len(dls.train), c=c, device=dev)
+        dls,extra = DataLoaders(sdl, sdl),dict(opt_func=ForeachAdam)
+    learn = bench_learner(dls, getattr(models, arch), c, fast_path=True, **extra)
+    learn.add_cbs([cb] + ([DeviceLossCallback()] if name == 'synthetic' else []))
+    t = train_timer(validate=False)
+    fit = lambda: learn.fit(1, 1e-3, cbs=[t])
+    with learn.no_bar(), learn.no_logging():
+        fit(); fit()   # (the warm-up: compiling, the capture; then a timed epoch)
+        pr = cProfile.Profile(); pr.enable(); fit(); dev == 'cpu' or torch.cuda.synchronize(); pr.disable()
+        st = pstats.Stats(pr).stats
+        wait = sum(v[2] for k,v in st.items() if k[2] == 'share_outputs')
+        replay = sum(v[2] for k,v in st.items() if k[2] == 'replay' and 'graphs' in k[0])
+        n = max(1, cb.counts['replayed'] + cb.counts['fastai'])   # (the training batches of the profiled epoch)
+        r = dict(arch=arch, variant=name, img_s=[round(x) for x in t.runs], counts=dict(cb.counts),
+                 batches=n, loader_wait_ms=round(1000*wait/n, 3),
+                 replay_call_ms=round(1000*replay/max(1, cb.counts['replayed']), 3))
+        if name == 'loader defaults':
+            from torch.profiler import profile, ProfilerActivity
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof: fit()
+            with tempfile.TemporaryDirectory() as d:
+                prof.export_chrome_trace(f'{d}/t.json'); ev = json.load(open(f'{d}/t.json'))['traceEvents']
+            with gzip.open(f'{out}/trace_step_graph_loader_{arch}.json.gz', 'wt') as g: json.dump({'traceEvents': ev}, g)
+            r['trace'] = stream_split(ev, max(1, cb.counts['replayed'] + cb.counts['fastai']))
+            r['trace_img_s'] = round(t.runs[-1])
+    print(json.dumps(r), flush=True)
+
+def main(out, arch='resnet18', root='/tmp/bt/data_10000', variants=None):
+    from fastai_dali.demo import make_bench_dataset
+    make_bench_dataset(root, 10000)
+    fn = f'{out}/step_graph_loader.json'
+    res = json.load(open(fn)) if os.path.exists(fn) else {}
+    for name in (variants.split(',') if variants else VARIANTS):
+        t = time.time()
+        p = subprocess.run([sys.executable, __file__, '--one', out, arch, root, name], capture_output=True, text=True)
+        line = next((l for l in p.stdout.splitlines()[::-1] if l.startswith('{')), None)
+        if line is None:
+            err = '\n'.join(l for l in p.stderr.splitlines() if 'nvjpeg2k' not in l and 'nvtiff' not in l)[-1500:]
+            res.setdefault('errors', {})[f'{arch}: {name}'] = err; print(f'{arch}: {name} FAILED (rc {p.returncode})\n{err}', flush=True)
+        else:
+            res.setdefault(arch, {})[name] = json.loads(line); print(f'{time.time()-t:.0f} s', line, flush=True)
+        json.dump(res, open(fn, 'w'), indent=1)
+    print(f"\n| {arch}, StepGraphCallback | img/s (the timed fits) | host waits for the loader, ms a batch | replay call, ms |\n|---|---:|---:|---:|")
+    for name,r in res.get(arch, {}).items():
+        print(f"| {name} | {' / '.join(f'{x:,}' for x in r['img_s'])} | {r['loader_wait_ms']} | {r['replay_call_ms']} |")
+
+if __name__ == '__main__':
+    if sys.argv[1] == '--one': one(*sys.argv[2:])
+    else: main(*sys.argv[1:])
