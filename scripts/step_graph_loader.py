@@ -4,7 +4,7 @@ synthetic batches (a GPU).
 Each variant in a process of its own (resnet18 by default; bf16, channels_last, bs 128, 224 px, 10,000 JPEGs of
 `make_bench_dataset`, the fast path + `StepGraphCallback`): a warm-up fit of one epoch, a timed one, then one epoch under
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
-(no loader), the loader's defaults, `prefetch` 3 and 4, `num_threads` 6 and 8. For the loader's defaults, a
+(no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8. For the loader's defaults, a
 torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their
 union, how much of them overlap), per batch.
 
@@ -14,7 +14,7 @@ Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH.json.gz; 
 """
 import cProfile, collections, gzip, json, os, pstats, subprocess, sys, tempfile, time
 
-VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4),
+VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8)}
 
 def stream_split(events, batches):
