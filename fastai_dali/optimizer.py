@@ -8,6 +8,7 @@ import math, torch
 import torch.nn.functional as F
 from fastcore.basics import *
 from fastai.optimizer import Optimizer, debias
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # %% auto #0
 __all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'HostReads']
@@ -235,8 +236,6 @@ def device_step(self:ForeachOptimizer):
         if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
 
 # %% ../nbs/04c_optimizer.ipynb #2f5cfb3b
-from torch.utils._python_dispatch import TorchDispatchMode
-
 class HostReads(TorchDispatchMode):
     "The aten ops run under it that read a tensor's number to the host (`.item()`, `float(t)`, a Scalar overload given a tensor): a host sync each time on a GPU, refused inside a CUDA graph's capture"
     def __init__(self): super().__init__(); self.reads = []
