@@ -21,7 +21,8 @@ from .sources import *
 
 # %% auto #0
 __all__ = ['BuildSpec', 'BuildSeeds', 'augment_seed', 'shard_len', 'n_batches', 'shard_positions', 'shard_padded', 'ShardShare',
-           'epoch_items', 'BuiltPipeline', 'PipelineCache', 'HostTensor', 'HostList', 'DaliIterator', 'Feed']
+           'epoch_items', 'BuiltPipeline', 'PipelineCache', 'HostTensor', 'HostList', 'DaliIterator',
+           'executor_pipeline', 'Feed']
 
 # %% ../nbs/03e_feed.ipynb #c005
 @dataclass(frozen=True)
@@ -210,6 +211,17 @@ class DaliIterator(DALIGenericIterator):
         return [tuple(HostList(o) if isinstance(o, TensorListCPU) else o for o in out) for out in outs]
 
 
+# %% ../nbs/03e_feed.ipynb #a4493a34
+def executor_pipeline(*args, names:list, log:list, pipeline=None, **kwargs):
+    "`pipeline(*args, names=names, log=log, **kwargs)` (default `fastai_pipeline`) on DALI's classic executor, or on its dynamic one where the graph reads a GPU image's shape on the CPU"
+    pipeline = ifnone(pipeline, fastai_pipeline)
+    try: return pipeline(*args, names=names, log=log, exec_dynamic=False, **kwargs)
+    except RuntimeError as e:
+        if 'GPU->CPU' not in str(e): raise
+    del names[:], log[:]  # (what the classic attempt wrote, if anything)
+    return pipeline(*args, names=names, log=log, **kwargs)
+
+
 # %% ../nbs/03e_feed.ipynb #c028
 def _iterator(pipe, outputs, source, files, names, py_workers):
     "DALI's iterator over `pipe` (which runs its first batch: errors translated)"
@@ -311,7 +323,7 @@ class Feed:
         mfiles = None if inp.masks is None else inp.masks if files is inp.files else [inp.masks[i] for i in idxs]
         # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built
         lists = [None if fs is None or source is not None else FileList(fs, labels) for fs in (files, mfiles)]
-        pipe = fastai_pipeline(lists[0] or files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
+        pipe = executor_pipeline(lists[0] or files, labels, plan, train=not spec.split_idx, shuffle=shuffle, shard_id=shard_id,
                                num_shards=num_shards, log=log, source=source, py_workers=spec.py_workers if kw else 0,
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,

@@ -10,12 +10,18 @@ union, how much of them overlap), per batch.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all)
 
-Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH.json.gz; prints a table.
+Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
 import cProfile, collections, gzip, json, os, pstats, subprocess, sys, tempfile, time
 
 VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
-            'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8)}
+            'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),
+            # DALI's dynamic executor (its default; the loader's before it took the classic one: `executor_pipeline`),
+            # alone, on cudaMallocAsync, and with the fit on a side stream (torch's work off the legacy default stream)
+            'dynamic executor': dict(_dynamic=True), 'dynamic executor, prefetch=3': dict(prefetch=3, _dynamic=True),
+            'dynamic executor, DALI_USE_CUDA_MALLOC_ASYNC=1': dict(_dynamic=True, _env=dict(DALI_USE_CUDA_MALLOC_ASYNC='1')),
+            'dynamic executor, fit on a side stream': dict(_dynamic=True, _stream=True)}
+TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor, DALI_USE_CUDA_MALLOC_ASYNC=1')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
@@ -29,7 +35,9 @@ def stream_split(events, batches):
         elif b > end: busy += b - end; end = b
     span = (max(b for _,b,_,_ in ks) - min(a for a,_,_,_ in ks)) if ks else 0.
     ms = lambda us: round(us/1000/batches, 3)
-    return dict(per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
+    syncs = [e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaDeviceSynchronize']
+    return dict(device_syncs=round(len(syncs)/batches, 2), device_sync_ms=ms(sum(e['dur'] for e in syncs)),
+                per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
                 kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span))
 
 def one(out, arch, root, name):
@@ -40,9 +48,12 @@ def one(out, arch, root, name):
     from fastai_dali.training import DeviceLossCallback
     from fastai_dali.optimizer import ForeachAdam
     from fastai_dali.bench.training import bench_learner, train_timer, SyntheticDL
+    import fastai_dali.feed
     dev = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cuda')   # (cpu: a dry run of this script, nothing graphed)
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device=dev)
-    dls = DaliDataLoaders.from_folder(root, **kw, **VARIANTS[name])
+    v = {k:x for k,x in VARIANTS[name].items() if not k.startswith('_')}
+    if VARIANTS[name].get('_dynamic'): fastai_dali.feed.executor_pipeline = lambda *a, **k: fastai_dali.feed.fastai_pipeline(*a, **k)
+    dls = DaliDataLoaders.from_folder(root, **kw, **v)
     cb,extra,c = StepGraphCallback(),{},dls.c
     if name == 'synthetic':
         sdl = SyntheticDL(bs=128, size=224, n_batches=len(dls.train), c=c, device=dev)
@@ -51,6 +62,10 @@ def one(out, arch, root, name):
     learn.add_cbs([cb] + ([DeviceLossCallback()] if name == 'synthetic' else []))
     t = train_timer(validate=False)
     fit = lambda: learn.fit(1, 1e-3, cbs=[t])
+    if VARIANTS[name].get('_stream'):
+        s,f0 = torch.cuda.Stream(),fit
+        def fit():
+            with torch.cuda.stream(s): f0()
     with learn.no_bar(), learn.no_logging():
         fit(); fit()   # (the warm-up: compiling, the capture; then a timed epoch)
         pr = cProfile.Profile(); pr.enable(); fit(); dev == 'cpu' or torch.cuda.synchronize(); pr.disable()
@@ -61,12 +76,12 @@ def one(out, arch, root, name):
         r = dict(arch=arch, variant=name, img_s=[round(x) for x in t.runs], counts=dict(cb.counts),
                  batches=n, loader_wait_ms=round(1000*wait/n, 3),
                  replay_call_ms=round(1000*replay/max(1, cb.counts['replayed']), 3))
-        if name == 'loader defaults':
+        if name in TRACED:
             from torch.profiler import profile, ProfilerActivity
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof: fit()
             with tempfile.TemporaryDirectory() as d:
                 prof.export_chrome_trace(f'{d}/t.json'); ev = json.load(open(f'{d}/t.json'))['traceEvents']
-            with gzip.open(f'{out}/trace_step_graph_loader_{arch}.json.gz', 'wt') as g: json.dump({'traceEvents': ev}, g)
+            with gzip.open(f'{out}/trace_step_graph_loader_{arch}_{TRACED.index(name)}.json.gz', 'wt') as g: json.dump({'traceEvents': ev}, g)
             r['trace'] = stream_split(ev, max(1, cb.counts['replayed'] + cb.counts['fastai']))
             r['trace_img_s'] = round(t.runs[-1])
     print(json.dumps(r), flush=True)
@@ -78,7 +93,8 @@ def main(out, arch='resnet18', root='/tmp/bt/data_10000', variants=None):
     res = json.load(open(fn)) if os.path.exists(fn) else {}
     for name in (variants.split(',') if variants else VARIANTS):
         t = time.time()
-        p = subprocess.run([sys.executable, __file__, '--one', out, arch, root, name], capture_output=True, text=True)
+        env = {**os.environ, **VARIANTS[name].get('_env', {})}
+        p = subprocess.run([sys.executable, __file__, '--one', out, arch, root, name], capture_output=True, text=True, env=env)
         line = next((l for l in p.stdout.splitlines()[::-1] if l.startswith('{')), None)
         if line is None:
             err = '\n'.join(l for l in p.stderr.splitlines() if 'nvjpeg2k' not in l and 'nvtiff' not in l)[-1500:]
