@@ -8,7 +8,7 @@ cProfile, whose DALI `share_outputs` time is the host waiting for the loader's n
 torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their
 union, how much of them overlap), per batch.
 
-    python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all)
+    python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
 
 Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
@@ -18,10 +18,10 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),
             # DALI's dynamic executor (its default; the loader's before it took the classic one: `executor_pipeline`),
             # alone, on cudaMallocAsync, and with the fit on a side stream (torch's work off the legacy default stream)
-            'dynamic executor': dict(_dynamic=True), 'dynamic executor, prefetch=3': dict(prefetch=3, _dynamic=True),
-            'dynamic executor, DALI_USE_CUDA_MALLOC_ASYNC=1': dict(_dynamic=True, _env=dict(DALI_USE_CUDA_MALLOC_ASYNC='1')),
-            'dynamic executor, fit on a side stream': dict(_dynamic=True, _stream=True)}
-TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor, DALI_USE_CUDA_MALLOC_ASYNC=1')   # (a torch.profiler trace of one more epoch)
+            'dynamic executor': dict(_dynamic=True), 'dynamic executor + prefetch=3': dict(prefetch=3, _dynamic=True),
+            'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1': dict(_dynamic=True, _env=dict(DALI_USE_CUDA_MALLOC_ASYNC='1')),
+            'dynamic executor + fit on a side stream': dict(_dynamic=True, _stream=True)}
+TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
