@@ -4,9 +4,10 @@ synthetic batches (a GPU).
 Each variant in a process of its own (resnet18 by default; bf16, channels_last, bs 128, 224 px, 10,000 JPEGs of
 `make_bench_dataset`, the fast path + `StepGraphCallback`): a warm-up fit of one epoch, a timed one, then one epoch under
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
-(no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8. For the loader's defaults, a
-torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their
-union, how much of them overlap), per batch.
+(no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
+`CUDA_DEVICE_MAX_CONNECTIONS=32`. For the variants in `TRACED`, a torch.profiler trace of one epoch, its kernels split by
+CUDA stream (the graph's, DALI's: each stream's kernels, their union, how much of them overlap) and the loader's waits
+(`loader_waits`), per batch. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
 
@@ -20,8 +21,12 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             # alone, on cudaMallocAsync, and with the fit on a side stream (torch's work off the legacy default stream)
             'dynamic executor': dict(_dynamic=True), 'dynamic executor + prefetch=3': dict(prefetch=3, _dynamic=True),
             'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1': dict(_dynamic=True, _env=dict(DALI_USE_CUDA_MALLOC_ASYNC='1')),
-            'dynamic executor + fit on a side stream': dict(_dynamic=True, _stream=True)}
-TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1')   # (a torch.profiler trace of one more epoch)
+            'dynamic executor + fit on a side stream': dict(_dynamic=True, _stream=True),
+            # more hardware work queues than CUDA's 8 (the decoder's 14 streams, DALI's, torch's share 8 by default; a
+            # kernel whose stream shares the graph's queue waits for the whole graph: `loader_waits`)
+            'CUDA_DEVICE_MAX_CONNECTIONS=32': dict(_env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32')),
+            'CUDA_DEVICE_MAX_CONNECTIONS=32 + prefetch=3': dict(prefetch=3, _env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32'))}
+TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
@@ -38,7 +43,26 @@ def stream_split(events, batches):
     syncs = [e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaDeviceSynchronize']
     return dict(device_syncs=round(len(syncs)/batches, 2), device_sync_ms=ms(sum(e['dur'] for e in syncs)),
                 per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
-                kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span))
+                kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span),
+                **loader_waits(events, batches, max(per, key=per.get) if per else None))
+
+def loader_waits(events, batches, graph_stream, late_us=1000):
+    "How the loader's GPU work waits for the graph: its kernels' launch-to-start delay, its threads' event waits, a batch"
+    launch = {e['args'].get('correlation'): e for e in events if e.get('cat') == 'cuda_runtime' and 'args' in e}
+    g = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('stream') == graph_stream)
+    run_ends = [a[1] for a,b in zip(g, g[1:]) if b[0] - a[1] > 300]   # (the graph stream's last kernel before it idles)
+    fit_threads = {e['tid'] for e in events if e.get('name') == 'cudaGraphLaunch'}
+    waits = [(k['ts'] - launch[k['args']['correlation']]['ts'], k['ts']) for k in events if k.get('cat') == 'kernel'
+             and k.get('args', {}).get('stream') != graph_stream and k['args'].get('correlation') in launch]
+    late = [(w,ts) for w,ts in waits if w > late_us]
+    after_run = sum(any(0 <= ts - r < 500 for r in run_ends) for _,ts in late)   # (started as the graph's run ended)
+    ev_sync = [e['dur'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaEventSynchronize'
+               and e['tid'] not in fit_threads]
+    ms = lambda us: round(us/1000/batches, 3)
+    return dict(loader_kernels=round(len(waits)/batches, 1), loader_kernels_late=round(len(late)/batches, 2),
+                loader_kernels_late_wait_ms=round(sum(w for w,_ in late)/1000/max(1, len(late)), 3),
+                loader_kernels_late_after_graph=round(after_run/max(1, len(late)), 2),
+                loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
 
 def one(out, arch, root, name):
     import torch
@@ -108,4 +132,5 @@ def main(out, arch='resnet18', root='/tmp/bt/data_10000', variants=None):
 
 if __name__ == '__main__':
     if sys.argv[1] == '--one': one(*sys.argv[2:])
+    elif sys.argv[1] == '--trace': print(json.dumps(stream_split(json.load(gzip.open(sys.argv[2]))['traceEvents'], int(sys.argv[3])), indent=1))
     else: main(*sys.argv[1:])
