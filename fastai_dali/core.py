@@ -11,7 +11,8 @@ from fastcore.basics import *
 from fastai.torch_core import default_device
 
 # %% auto #0
-__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads', 'derive_seed', 'gc_paused']
+__all__ = ['installed_dali_wheels', 'dali_cuda_count', 'dali_device_id', 'default_num_threads', 'set_work_queues', 'derive_seed',
+           'gc_paused']
 
 # %% ../nbs/00_core.ipynb #c004
 _DALI_WHEELS = ('nvidia-dali-cuda120', 'nvidia-dali-cuda130', 'nvidia-dali-cuda110', 'nvidia-dali-nightly-cuda120',
@@ -64,6 +65,15 @@ def default_num_threads():
     "Cores this process may run on (DALI's `num_threads` default)"
     try: return max(1, len(os.sched_getaffinity(0)))
     except AttributeError: return max(1, os.cpu_count() or 1)
+
+# %% ../nbs/00_core.ipynb #218ed8d2
+def set_work_queues(n:int=32):
+    "Set `CUDA_DEVICE_MAX_CONNECTIONS` to `n` unless it is set or torch has started CUDA already: the value in force (`None`: CUDA's 8)"
+    if 'CUDA_DEVICE_MAX_CONNECTIONS' not in os.environ and not torch.cuda.is_initialized():
+        os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = str(n)
+    return os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')
+
+set_work_queues()
 
 # %% ../nbs/00_core.ipynb #c015
 def derive_seed(seed:int, k:int):

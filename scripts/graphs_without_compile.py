@@ -193,7 +193,7 @@ def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', 
                 err = '\n'.join(l for l in p.stderr.splitlines() if 'nvjpeg2k' not in l and 'nvtiff' not in l and 'warn' not in l.lower())[-1500:]
                 res.setdefault('errors', {})[f'{a}: {k}'] = err; print(f'{a}: {k} FAILED (rc {p.returncode})\n{err}', flush=True)
             else:
-                r = json.loads(line); res.setdefault(a, {})[k] = r; print(f'{time.time()-t:.0f} s', line, flush=True)
+                r = json.loads(line); r.update({e: os.environ[e] for e in ('CUDA_DEVICE_MAX_CONNECTIONS',) if e in os.environ}); res.setdefault(a, {})[k] = r; print(f'{time.time()-t:.0f} s', line, flush=True)
             json.dump(res, open(fn, 'w'), indent=1)
         if a in res:
             lim = res[a].get(LIMIT, {}).get('median', float('nan'))
