@@ -7,7 +7,7 @@ cProfile, whose DALI `share_outputs` time is the host waiting for the loader's n
 (no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
 `CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`). For the variants in
 `TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their union, how much of them overlap) and the loader's waits
-(`loader_waits`), per batch. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
+(`loader_waits`), per batch (with Python stacks where `TRACE_STACKS=1`). `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
 
@@ -104,7 +104,7 @@ def one(out, arch, root, name):
                  replay_call_ms=round(1000*replay/max(1, cb.counts['replayed']), 3))
         if name in TRACED:
             from torch.profiler import profile, ProfilerActivity
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof: fit()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(os.environ.get('TRACE_STACKS'))) as prof: fit()
             with tempfile.TemporaryDirectory() as d:
                 prof.export_chrome_trace(f'{d}/t.json'); ev = json.load(open(f'{d}/t.json'))['traceEvents']
             with gzip.open(f'{out}/trace_step_graph_loader_{arch}_{TRACED.index(name)}.json.gz', 'wt') as g: json.dump({'traceEvents': ev}, g)
