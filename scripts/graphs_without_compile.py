@@ -176,6 +176,7 @@ def one_row(out, a, k, root, epochs=3):
     else:
         ep = make[k](); runs = [ep() for _ in range(epochs)]
         r = dict(arch=a, row=k, runs=runs[1:], median=float(sorted(runs[1:])[len(runs[1:])//2]) if len(runs) > 2 else runs[-1])
+    r['CUDA_DEVICE_MAX_CONNECTIONS'] = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')   # (in force: fastai_dali sets 32 unless set)
     print(json.dumps(r), flush=True)
 
 def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', rows=None):
@@ -193,7 +194,7 @@ def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', 
                 err = '\n'.join(l for l in p.stderr.splitlines() if 'nvjpeg2k' not in l and 'nvtiff' not in l and 'warn' not in l.lower())[-1500:]
                 res.setdefault('errors', {})[f'{a}: {k}'] = err; print(f'{a}: {k} FAILED (rc {p.returncode})\n{err}', flush=True)
             else:
-                r = json.loads(line); r.update({e: os.environ[e] for e in ('CUDA_DEVICE_MAX_CONNECTIONS',) if e in os.environ}); res.setdefault(a, {})[k] = r; print(f'{time.time()-t:.0f} s', line, flush=True)
+                r = json.loads(line); res.setdefault(a, {})[k] = r; print(f'{time.time()-t:.0f} s', line, flush=True)
             json.dump(res, open(fn, 'w'), indent=1)
         if a in res:
             lim = res[a].get(LIMIT, {}).get('median', float('nan'))

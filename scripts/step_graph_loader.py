@@ -6,8 +6,9 @@ Each variant in a process of its own (resnet18 by default; bf16, channels_last, 
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
 (no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
 `CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`). For the variants in
-`TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's kernels, their union, how much of them overlap) and the loader's waits
-(`loader_waits`), per batch (with Python stacks where `TRACE_STACKS=1`). `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
+`TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's
+kernels, their union, how much of them overlap) and the loader's waits (`loader_waits`), per batch; with Python stacks
+where `TRACE_STACKS=1`. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
 
@@ -23,12 +24,13 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1': dict(_dynamic=True, _env=dict(DALI_USE_CUDA_MALLOC_ASYNC='1')),
             'dynamic executor + fit on a side stream': dict(_dynamic=True, _stream=True),
             # more hardware work queues than CUDA's 8 (the decoder's 14 streams, DALI's, torch's share 8 by default; a
-            # kernel whose stream shares the graph's queue waits for the whole graph: `loader_waits`)
-            # (importing fastai_dali sets 32 unless set: `set_work_queues`; 8 is CUDA's own default)
+            # kernel whose stream shares the graph's queue waits for the whole graph: `loader_waits`); importing fastai_dali
+            # sets 32 unless set (`set_work_queues`), so 'loader defaults' has 32 and the 8 is explicit
             'CUDA_DEVICE_MAX_CONNECTIONS=8': dict(_env=dict(CUDA_DEVICE_MAX_CONNECTIONS='8')),
             'CUDA_DEVICE_MAX_CONNECTIONS=32': dict(_env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32')),
             'CUDA_DEVICE_MAX_CONNECTIONS=32 + prefetch=3': dict(prefetch=3, _env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32'))}
-TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32')   # (a torch.profiler trace of one more epoch)
+TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32',
+          'CUDA_DEVICE_MAX_CONNECTIONS=8')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
