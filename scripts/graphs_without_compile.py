@@ -21,11 +21,14 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
 then fastai's loop replays them; the batch-norm buffers are put back after the capture's warm-up batches.
 
-Then torch.profiler traces (20 batches each) of the plain loop's compiled graphs, its whole-step graph, and the fit with
+Then torch.profiler traces (20 batches each) of the plain loop's compiled graphs, its whole-step graph (eager kernels; and
+compiled, with fastai's Adam), `StepGraphCallback`'s fit on synthetic batches, and the fit with
 `EagerGraphs`, split by kind of kernel (`scripts/trace_kernel_split.py`).
 
     python scripts/graphs_without_compile.py OUT [ARCHS] [ROOT] [TRACES] [ROWS]   (a GPU; ARCHS default resnet18,resnet50;
-                                                                                  TRACES 1: the traces too; ROWS: row numbers, e.g. 3,10,12,13)
+                                                                                  TRACES 1: the traces too, or their names, e.g.
+                                                                                  plain_whole_step_fastai_adam,step_graph_synthetic;
+                                                                                  ROWS: row numbers, e.g. 3,10,12,13)
 
 Writes OUT/graphs_without_compile.json, the traces OUT/trace_*.json.gz, and prints a markdown table per arch.
 """
@@ -139,7 +142,10 @@ ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraph
         f'{ROW_DEFAULT} + StepGraphCallback(compile=False)', f'{ROW_DEFAULT} + StepGraphCallback, RandomResizedCrop + aug_transforms()',
         f'{ROW_DEFAULT} + CudaGraphCallback, RandomResizedCrop + aug_transforms()',
         f'{ROW_DEFAULT} + StepGraphCallback, num_threads=6', f'{ROW_DEFAULT} + StepGraphCallback, prefetch=3')
-TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4]}
+TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4],
+          # the plain loop's whole step one graph against fastai's (`StepGraphCallback`), both on synthetic batches, both
+          # the model compiled and fastai's Adam as `device_step`: the kernels fastai's loop adds to, or takes from, the graph
+          'plain_whole_step_fastai_adam': ROWS[10], 'step_graph_synthetic': ROWS[12]}
 
 def one_row(out, a, k, root, epochs=3):
     "Row `k` for arch `a` in this process: a warm-up epoch, then `epochs`-1 timed ones, as a JSON line (a trace of 20 batches instead where `k` is in `TRACES`)"
@@ -186,7 +192,7 @@ def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', 
     fn = f'{out}/graphs_without_compile.json'
     res = json.load(open(fn)) if os.path.exists(fn) else {'torch': torch.__version__, 'gpu': torch.cuda.get_device_name()}
     for a in archs.split(','):
-        for k in [r for r in ROWS if rows is None or str(ROWS.index(r)) in rows.split(',')] + list(TRACES if a == 'resnet18' and traces == '1' else ()):
+        for k in [r for r in ROWS if rows is None or str(ROWS.index(r)) in rows.split(',')] + [t for t in TRACES if a == 'resnet18' and (traces == '1' or t in traces.split(','))]:
             t = time.time()
             p = subprocess.run([sys.executable, __file__, '--row', out, a, k, root], capture_output=True, text=True)
             line = next((l for l in p.stdout.splitlines()[::-1] if l.startswith('{')), None)
