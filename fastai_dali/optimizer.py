@@ -11,7 +11,7 @@ from fastai.optimizer import Optimizer, debias
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # %% auto #0
-__all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'HostReads']
+__all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'bucket_step', 'HostReads']
 
 # %% ../nbs/04c_optimizer.ipynb #c005
 class ForeachOptimizer(Optimizer):
@@ -208,32 +208,36 @@ def device_numbers(self:ForeachOptimizer, plan=None):
     self.numbers.copy_(rows.pin_memory() if self.numbers.is_cuda else rows, non_blocking=True)
 
 # %% ../nbs/04c_optimizer.ipynb #ee079517
+def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, sqrs, bufs, wd, num):
+    "One bucket of `device_step`'s plan: its tensors `ps`, their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for weight decay, `num` its row of `device_numbers`. Plain foreach ops on lists, the optimizer nowhere: what `torch.compile` can fuse (`device_step(bucket=...)`)"
+    decay,l2,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,avg_step = num.unbind()
+    if any(wd):   # (a flag each, not a second list of the same tensors: a compiled function would see them aliased)
+        dec = [p for p,w in zip(ps, wd) if w]
+        if decouple_wd: torch._foreach_mul_(dec, decay)
+        else: torch._foreach_add_([g for g,w in zip(grads, wd) if w], torch._foreach_mul(dec, l2))
+    if steppers == 'sgd':
+        if momentum: torch._foreach_mul_(avgs, mom); torch._foreach_add_(avgs, grads)
+        else: avgs = grads
+        torch._foreach_add_(ps, torch._foreach_mul(avgs, grad_step)); return
+    torch._foreach_mul_(avgs, mom); torch._foreach_add_(avgs, torch._foreach_mul(grads, damp))
+    g2 = torch._foreach_mul(grads, grads); torch._foreach_mul_(g2, sqr_damp)
+    torch._foreach_mul_(sqrs, sqr_mom); torch._foreach_add_(sqrs, g2)
+    torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, debias2); torch._foreach_sqrt_(bufs)
+    torch._foreach_add_(bufs, eps, alpha=1)   # (`alpha` picks the overload that reads the tensor on the device: without it, torch reads it on the host)
+    u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, grad_step); torch._foreach_add_(ps, u)
+    if steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, avg_step))
+
 @patch
 @torch.no_grad()
-def device_step(self:ForeachOptimizer):
-    "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures"
-    N = {k: i for i,k in enumerate(_NUMBERS)}
+def device_step(self:ForeachOptimizer, bucket=bucket_step):
+    "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures; `bucket` runs each bucket of the plan (`bucket_step`, or a compiled `bucket_step`)"
+    adam = self.steppers != 'sgd'
     for b,(g,ps,states,wd_ps) in enumerate(self._plan()):
-        n = lambda k: self.numbers[b, N[k]]
-        grads = [p.grad for p in ps]
-        if wd_ps:
-            if self.decouple_wd: torch._foreach_mul_(wd_ps, n('decay'))
-            else: torch._foreach_add_([p.grad for p in wd_ps], torch._foreach_mul(wd_ps, n('l2')))
-        if self.steppers == 'sgd':
-            if self.momentum:
-                avgs = self._state_list(ps, states, 'grad_avg')
-                torch._foreach_mul_(avgs, n('mom')); torch._foreach_add_(avgs, grads)
-            else: avgs = grads
-            torch._foreach_add_(ps, torch._foreach_mul(avgs, n('grad_step'))); continue
-        avgs,sqrs = self._state_list(ps, states, 'grad_avg'),self._state_list(ps, states, 'sqr_avg')
-        torch._foreach_mul_(avgs, n('mom')); torch._foreach_add_(avgs, torch._foreach_mul(grads, n('damp')))
-        g2 = torch._foreach_mul(grads, grads); torch._foreach_mul_(g2, n('sqr_damp'))
-        torch._foreach_mul_(sqrs, n('sqr_mom')); torch._foreach_add_(sqrs, g2)
-        bufs = [self._buf(p) for p in ps]
-        torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, n('debias2')); torch._foreach_sqrt_(bufs)
-        torch._foreach_add_(bufs, n('eps'), alpha=1)   # (`alpha` picks the overload that reads the tensor on the device: without it, torch reads it on the host)
-        u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, n('grad_step')); torch._foreach_add_(ps, u)
-        if self.steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, n('avg_step')))
+        wd = set(map(id, wd_ps))
+        bucket(self.steppers, self.decouple_wd, self.momentum, ps, [p.grad for p in ps],
+               self._state_list(ps, states, 'grad_avg') if adam or self.momentum else None,
+               self._state_list(ps, states, 'sqr_avg') if adam else None, [self._buf(p) for p in ps] if adam else None,
+               tuple(id(p) in wd for p in ps), self.numbers[b])
 
 # %% ../nbs/04c_optimizer.ipynb #2f5cfb3b
 class HostReads(TorchDispatchMode):

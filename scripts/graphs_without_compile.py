@@ -12,7 +12,8 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   batches (each copied into the graph's input); and the whole step again with the model's kernels compiled
   (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest), with torch's
   AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay),
-  that step's foreach ops also compiled (`compiled_adam_step`: Inductor fuses them, rows 19 and 20);
+  that step's foreach ops also compiled (`device_step(bucket=torch.compile(bucket_step))`: Inductor fuses them,
+  rows 19 and 20);
 - `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
   synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
   kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same);
@@ -39,7 +40,8 @@ from fastai.vision.all import (Resize, Normalize, imagenet_stats, models, DataLo
                                RandomResizedCrop, aug_transforms)
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import CudaGraphCallback, DeviceLossCallback
-from fastai_dali.optimizer import ForeachAdam
+from fastai_dali.optimizer import ForeachAdam, bucket_step
+from functools import partial
 from fastai_dali.step_graph import StepGraphCallback
 from fastai_dali.demo import make_bench_dataset
 from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
@@ -63,29 +65,6 @@ class EagerGraphs(Callback):
         with torch.no_grad(): m.load_state_dict(saved)   # (copied in place: the graphs' memory stays)
         self.shape = x.shape
 
-def _adam_lists(ps, grads, avgs, sqrs, wd, num):
-    "fastai's Adam (decoupled weight decay) on one bucket of `ForeachOptimizer.device_step`'s plan, the same foreach ops in the same order, its numbers read from `num` (a row of `device_numbers`' `numbers`); `wd`: a flag a tensor (a mask, not a second list of the same tensors)"
-    decay,_,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,_ = num.unbind()
-    dec = [p for p,w in zip(ps, wd) if w]
-    if dec: torch._foreach_mul_(dec, decay)
-    torch._foreach_mul_(avgs, mom); torch._foreach_add_(avgs, torch._foreach_mul(grads, damp))
-    g2 = torch._foreach_mul(grads, grads); torch._foreach_mul_(g2, sqr_damp)
-    torch._foreach_mul_(sqrs, sqr_mom); torch._foreach_add_(sqrs, g2)
-    bufs = torch._foreach_div(sqrs, debias2); torch._foreach_sqrt_(bufs); torch._foreach_add_(bufs, eps, alpha=1)
-    u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, grad_step); torch._foreach_add_(ps, u)
-
-def compiled_adam_step(opt):
-    "`opt.device_step` (a `ForeachAdam`, decoupled weight decay) as `torch.compile`'d functions, one call a bucket of its plan: Inductor fuses the foreach ops (23 kernels a resnet18 step eagerly) into a few; call it after `opt` has stepped once (its states exist)"
-    assert opt.steppers == 'adam' and opt.decouple_wd, 'the experiment covers Adam with decoupled weight decay'
-    f = torch.compile(_adam_lists, fullgraph=True)
-    @torch.no_grad()
-    def step():
-        for b,(g,ps,states,wd_ps) in enumerate(opt._plan()):
-            wd = set(map(id, wd_ps))
-            f(ps, [p.grad for p in ps], opt._state_list(ps, states, 'grad_avg'), opt._state_list(ps, states, 'sqr_avg'),
-              tuple(id(p) in wd for p in ps), opt.numbers[b])
-    return step
-
 def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False, fastai_adam=False, compiled_adam=False):
     "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest; `fastai_adam`: fastai's Adam as `ForeachAdam`'s `device_step` instead of torch's AdamW, its numbers written before each replay by `device_numbers`); returns an epoch function (img/s)"
     mf = torch.channels_last
@@ -107,7 +86,8 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
             if compiled_adam:   # (its first eager step makes the states; the warm-up steps below compile it)
                 zero()
                 with ac(): lf(m(sx), sy).backward()
-                opt.device_numbers(); opt.device_step(); opt_step = compiled_adam_step(opt)
+                opt.device_numbers(); opt.device_step()
+                opt_step = partial(opt.device_step, bucket=torch.compile(bucket_step, fullgraph=True))
         else:
             opt = torch.optim.AdamW([dict(params=[p for p in m.parameters() if id(p) not in nb]),
                                      dict(params=[p for p in m.parameters() if id(p) in nb], weight_decay=0.)],
