@@ -152,13 +152,13 @@ _NUMBERS = ('decay', 'l2', 'mom', 'damp', 'sqr_mom', 'sqr_damp', 'debias2', 'eps
 
 @patch
 def _plan(self:ForeachOptimizer):
-    "The step's structure: for each parameter group with gradients, its tensors grouped by step count (their states, those with weight decay)"
+    "The step's structure: for each parameter group with gradients, its tensors grouped by step count (their states, a flag each for weight decay)"
     res = []
     for g,(pg,hyper) in enumerate(zip(self.param_lists, self.hypers)):
         ps = [p for p in pg if p.grad is not None]
         by = {}
         for p in ps: by.setdefault(self.state[p].get('step', 0), []).append(p)
-        res += [(g, q, [self.state[p] for p in q], [p for p in q if self.state[p].get('do_wd', True)]) for _,q in sorted(by.items())]
+        res += [(g, q, [self.state[p] for p in q], tuple(self.state[p].get('do_wd', True) for p in q)) for _,q in sorted(by.items())]
     return res
 
 @patch
@@ -232,12 +232,11 @@ def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, 
 def device_step(self:ForeachOptimizer, bucket=bucket_step):
     "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures; `bucket` runs each bucket of the plan (`bucket_step`, or a compiled `bucket_step`)"
     adam = self.steppers != 'sgd'
-    for b,(g,ps,states,wd_ps) in enumerate(self._plan()):
-        wd = set(map(id, wd_ps))
+    for b,(g,ps,states,wd) in enumerate(self._plan()):
         bucket(self.steppers, self.decouple_wd, self.momentum, ps, [p.grad for p in ps],
                self._state_list(ps, states, 'grad_avg') if adam or self.momentum else None,
                self._state_list(ps, states, 'sqr_avg') if adam else None, [self._buf(p) for p in ps] if adam else None,
-               tuple(id(p) in wd for p in ps), self.numbers[b])
+               wd, self.numbers[b])
 
 # %% ../nbs/04c_optimizer.ipynb #2f5cfb3b
 class HostReads(TorchDispatchMode):
