@@ -14,7 +14,7 @@ from fastai.callback.core import (Callback, CancelFitException, CancelEpochExcep
                                   CancelValidException, CancelBatchException)
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.mixup import MixHandler
-from .optimizer import ForeachOptimizer
+from .optimizer import ForeachOptimizer, bucket_step
 
 # %% auto #0
 __all__ = ['step_refusal', 'StepKey', 'StepGraph', 'StepGraphCallback']
@@ -87,15 +87,16 @@ class StepGraph:
 _CANCELS = (CancelFitException, CancelEpochException, CancelTrainException, CancelValidException, CancelBatchException)
 
 class StepGraphCallback(Callback):
-    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`"
+    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt`"
     order = 12  # (fastai's `MixedPrecision` is 10)
-    _stateattrs = ('graph','module','eager','stream','params','mods')  # a graph, a compiled module, a stream are not pickled (`learn.export`)
-    def __init__(self, compile:bool=True, warmup:int=3):
+    _stateattrs = ('graph','module','eager','stream','params','mods','bucket')  # a graph, a compiled function or module, a stream are not pickled (`learn.export`)
+    def __init__(self, compile:bool=True, warmup:int=3, compile_opt:bool=False):
         if warmup < 1: raise ValueError(f"StepGraphCallback: warmup={warmup}; at least one batch before the capture makes the gradients and the optimizer's state")
         super().__init__(); store_attr(); self._init_state()
     def _init_state(self):
         super()._init_state()
         self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model; the side stream
+        self.bucket = None                            # what `device_step` runs each bucket of the optimizer's plan with (`bucket_step`, compiled with `compile_opt`)
         self.params,self.mods,self.dev,self.amp = [],[],None,None   # the model's parameters and modules, listed once a fit; their device; its autocast dtype
         self.fit_learn = None                         # the learner whose fit this is (fastai sets `learn` to None on `remove_cb`)
         self.ready,self.on,self.layout = False,False,None  # set up (at the fit's first training batch); capturing; its batches' layout
@@ -132,6 +133,9 @@ def _setup(self:StepGraphCallback):
     if why: raise ValueError(f"StepGraphCallback: {why}")
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
+    # (not `fullgraph`: past Dynamo's limit of compiled variants of one function, e.g. many learners' buckets in one
+    # process, the step runs its foreach ops as they come rather than fail)
+    if self.bucket is None: self.bucket = torch.compile(bucket_step) if self.compile_opt else bucket_step
     if self.graph is None and isinstance(learn.opt, ForeachOptimizer): learn.opt.captured = None   # (another callback's capture, given back with it)
     self.params,self.mods,self.dev = list(learn.model.parameters()),list(learn.model.modules()),p.device
     mp = next((c for c in learn.cbs if isinstance(c, MixedPrecision)), None)
@@ -217,7 +221,7 @@ def _step(self:StepGraphCallback, xs, ys, eager=False):
     with bwd():
         loss.backward()
         if eager: learn.opt.device_numbers()
-        learn.opt.device_step(); learn.opt.zero_grad()
+        learn.opt.device_step(bucket=self.bucket); learn.opt.zero_grad()
     return pred,loss
 
 # %% ../nbs/04e_step_graph.ipynb #f3106255

@@ -13,7 +13,7 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest), with torch's
   AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay),
   that step's foreach ops also compiled (`device_step(bucket=torch.compile(bucket_step))`: Inductor fuses them,
-  rows 19 and 20);
+  rows 19 and 20; in fastai's loop `StepGraphCallback(compile_opt=True)`, rows 21 and 22);
 - `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
   synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
   kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same);
@@ -151,7 +151,9 @@ ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraph
         f'{ROW_DEFAULT} + CudaGraphCallback, RandomResizedCrop + aug_transforms()',
         f'{ROW_DEFAULT} + StepGraphCallback, num_threads=6', f'{ROW_DEFAULT} + StepGraphCallback, prefetch=3',
         'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step compiled',
-        'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step compiled')
+        'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step compiled',
+        'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback(compile_opt=True)',
+        f'{ROW_DEFAULT} + StepGraphCallback(compile_opt=True)')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4],
           # the plain loop's whole step one graph against fastai's (`StepGraphCallback`), both on synthetic batches, both
           # the model compiled and fastai's Adam as `device_step`: the kernels fastai's loop adds to, or takes from, the graph
@@ -188,7 +190,10 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[18]: lambda: fit_epochs(DaliDataLoaders.from_folder(root, **kw, prefetch=3), arch, dls.c, fast_path=True, compile='step'),
             # fastai's Adam with its foreach ops compiled (fused by Inductor) inside the whole-step graph: what a fused step would give
             ROWS[19]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True),
-            ROWS[20]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True)}
+            ROWS[20]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True),
+            # the same in fastai's loop: `StepGraphCallback` with the optimizer's foreach ops compiled (rows 12 and 13 without)
+            ROWS[21]: lambda: fit_epochs(DataLoaders(sdl, sdl), arch, dls.c, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), StepGraphCallback(compile_opt=True)]),
+            ROWS[22]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[StepGraphCallback(compile_opt=True)])}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))

@@ -27,6 +27,7 @@ from fastai_dali.bench_gpus import id_folder
 root = id_folder(tempfile.mkdtemp())
 for bf16 in (False,):
     mp = MonkeyPatch(); T.test_step_graph_trains_as_fastai(root, mp, bf16); mp.undo(); print('trains_as_fastai ok', bf16)
+mp = MonkeyPatch(); T.test_step_graph_compiled_optimizer(root, mp); mp.undo(); print('compiled optimizer ok')
 T.test_step_graph_fine_tune_lr_find_interrupted(root); print('fine_tune/lr_find/interrupted ok')
 torch.cuda.set_sync_debug_mode = lambda *a: None
 T.test_no_host_sync_in_a_replayed_batch(root); print('no host sync (counts) ok')

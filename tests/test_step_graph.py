@@ -5,7 +5,8 @@ graph, are in nbs/04e_step_graph.ipynb).
 - the same records, predictions and weights as fastai's own step, no farther than fastai's own spread (how far torch's
   AdamW through fastai's `OptimWrapper` ends from fastai's `Adam`: the same formulas, rounded otherwise; the rule of the
   CPU checks) in fp32 and in bf16, the model's own kernels; with the model compiled, within the tolerances of
-  `CudaGraphCallback`'s check (compiling's own distance); a control whose replays train nothing fails each comparison;
+  `CudaGraphCallback`'s check (compiling's own distance); the optimizer's foreach ops compiled (`compile_opt`), within
+  fastai's spread; a control whose replays train nothing fails each comparison;
 - no host sync in a replayed training batch (`torch.cuda.set_sync_debug_mode('warn')`);
 - `fine_tune` (two fits, a capture each), `lr_find` (the weights back as fastai puts them back), an interrupted fit
   (the learner fastai's again, and it trains again).
@@ -82,6 +83,25 @@ def test_step_graph_compiled(id_root, monkeypatch):
     for a,b,t in zip(graphed, eager, tols): torch.testing.assert_close(a, b, rtol=0, atol=t)
     _,frozen = run(id_root, cb=StepGraphCallback(), lr=0.)
     for i in (0, 1, 3): assert not torch.allclose(frozen[i], eager[i], rtol=0, atol=tols[i])
+
+def test_step_graph_compiled_optimizer(id_root, monkeypatch):
+    """fastai's Adam with its foreach ops compiled (`compile_opt`: Inductor's fused kernels inside the graph): no farther
+    from the same graph with the foreach ops as they come than fastai's own spread (the rule of
+    `test_step_graph_trains_as_fastai`), fp32"""
+    monkeypatch.setattr(torch.backends.cudnn, 'deterministic', True)
+    _,fastai_adam = run(id_root, Adam)
+    _,theirs = run(id_root, torch_adamw)
+    spread = max(max(rel(a, b) for a,b in zip(theirs, fastai_adam)), 1e-6)
+    _,eager = run(id_root, cb=StepGraphCallback(compile=False))
+    cb = StepGraphCallback(compile=False, compile_opt=True)
+    _,graphed = run(id_root, cb=cb)
+    assert cb.counts['captured'] == 1 and cb.counts['replayed'] > 0, cb.counts
+    assert cb.bucket._torchdynamo_orig_callable.__name__ == 'bucket_step'
+    d = [rel(a, b) for a,b in zip(graphed, eager)]
+    print(f"step graph, compiled optimizer: fastai's spread {spread:.1e}, against the eager foreach ops {[f'{x:.1e}' for x in d]}")
+    assert max(d) <= 3*spread, (d, spread)
+    _,frozen = run(id_root, cb=StepGraphCallback(compile=False, compile_opt=True), lr=0.)
+    assert max(rel(a, b) for a,b in zip(frozen, eager)) > 3*spread
 
 class SyncsInBatch(Callback):
     "Synchronizing torch calls from the last `before_batch` to the end of the batch's callbacks, per training batch the graph replayed"
