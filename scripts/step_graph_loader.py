@@ -5,10 +5,11 @@ Each variant in a process of its own (resnet18 by default; bf16, channels_last, 
 `make_bench_dataset`, the fast path + `StepGraphCallback`): a warm-up fit of one epoch, a timed one, then one epoch under
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
 (no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
-`CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`). For the variants in
+`CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`), the decoder without
+interpolated chroma (`jpeg_fancy_upsampling=False`), `hw_decoder_load` 0 and 0.65. For the variants in
 `TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's
-kernels, their union, how much of them overlap) and the loader's waits (`loader_waits`), per batch; with Python stacks
-where `TRACE_STACKS=1`. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
+kernels, their union, how much of them overlap), the loader's waits (`loader_waits`) and where the graph's stream idles
+between replays (`between_replays`), per batch; with Python stacks where `TRACE_STACKS=1`. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
 
@@ -28,9 +29,14 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             # sets 32 unless set (`set_work_queues`), so 'loader defaults' has 32 and the 8 is explicit
             'CUDA_DEVICE_MAX_CONNECTIONS=8': dict(_env=dict(CUDA_DEVICE_MAX_CONNECTIONS='8')),
             'CUDA_DEVICE_MAX_CONNECTIONS=32': dict(_env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32')),
-            'CUDA_DEVICE_MAX_CONNECTIONS=32 + prefetch=3': dict(prefetch=3, _env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32'))}
+            'CUDA_DEVICE_MAX_CONNECTIONS=32 + prefetch=3': dict(prefetch=3, _env=dict(CUDA_DEVICE_MAX_CONNECTIONS='32')),
+            # the decoder: its per-image colour conversion (`ycbcr_to_format_kernel_roi`, a host wait each on the decoder's
+            # thread, each queued behind the graph's kernels) without the interpolated chroma the loader asks for (PIL's);
+            # all of each batch on the CUDA decoder instead of the hardware one (the loader's 1.0), or DALI's default share
+            'jpeg_fancy_upsampling=False': dict(_decoder=dict(jpeg_fancy_upsampling=False)),
+            'hw_decoder_load=0': dict(hw_decoder_load=0.0), 'hw_decoder_load=0.65': dict(hw_decoder_load=0.65)}
 TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32',
-          'CUDA_DEVICE_MAX_CONNECTIONS=8')   # (a torch.profiler trace of one more epoch)
+          'CUDA_DEVICE_MAX_CONNECTIONS=8', 'jpeg_fancy_upsampling=False', 'hw_decoder_load=0')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
@@ -48,7 +54,7 @@ def stream_split(events, batches):
     return dict(device_syncs=round(len(syncs)/batches, 2), device_sync_ms=ms(sum(e['dur'] for e in syncs)),
                 per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
                 kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span),
-                **loader_waits(events, batches, max(per, key=per.get) if per else None))
+                **loader_waits(events, batches, max(per, key=per.get) if per else None), between_replays=between_replays(events, batches))
 
 def loader_waits(events, batches, graph_stream, late_us=1000):
     "How the loader's GPU work waits for the graph: its kernels' launch-to-start delay, its threads' event waits, a batch"
@@ -68,6 +74,49 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
                 loader_kernels_late_after_graph=round(after_run/max(1, len(late)), 2),
                 loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
 
+def between_replays(events, batches):
+    """Where the graph's stream idles between one replay and the next, a batch (ms): the idle; the part of it after the
+    batch had reached the host (DALI's `share_outputs` returned, or with no Python stacks the fit thread's last
+    `cudaEventSynchronize` before the launch), i.e. the host's own path from the loader's outputs to the launch; the
+    host's wait in `share_outputs`; the host's time from the batch to the launch; the median delay from a launch to its
+    first kernel (the GPU's backlog: ~0 where the host is late); and, with Python stacks, Python calls a batch on the
+    fit's thread and the top-level calls between the batch and the launch"""
+    import bisect, statistics
+    launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
+    if len(launch) < 2: return {}
+    tid,corr = launch[0]['tid'],{e['args']['correlation']: i for i,e in enumerate(launch)}
+    span = [[None, None] for _ in launch]
+    for e in events:
+        i = corr.get(e.get('args', {}).get('correlation')) if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') else None
+        if i is not None:
+            a,b = span[i]; span[i] = [e['ts'] if a is None else min(a, e['ts']), e['ts'] + e['dur'] if b is None else max(b, e['ts'] + e['dur'])]
+    host = sorted((e for e in events if e.get('tid') == tid and e.get('cat') in ('python_function', 'cpu_op', 'cuda_runtime')), key=lambda e: e['ts'])
+    stacks = any(e['cat'] == 'python_function' for e in host)
+    ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
+    starts = [e['ts'] for e in ready]
+    tot,top,n = collections.Counter(),collections.Counter(),0
+    for i in range(1, len(launch)):
+        if None in span[i] or None in span[i-1]: continue
+        j = bisect.bisect_right(starts, launch[i]['ts']) - 1
+        if j < 0: continue
+        r,l = ready[j]['ts'] + ready[j]['dur'],launch[i]['ts']
+        s,e0 = span[i][0],span[i-1][1]
+        tot['idle'] += max(0, s - e0); tot['idle_after_batch_on_host'] += max(0, s - max(r, e0))
+        tot['host_wait'] += ready[j]['dur']; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r; n += 1
+        if stacks:
+            end = -1
+            for e in host[bisect.bisect_left([h['ts'] for h in host], r):]:
+                if e['ts'] > l: break
+                if e['ts'] >= end and e['ts'] + e.get('dur', 0) <= l + launch[i]['dur']: top[e['name'][:80]] += e['dur']; end = e['ts'] + e['dur']
+    ms = lambda us: round(us/1000/max(1, n), 3)
+    r = {f'{k}_ms': ms(v) for k,v in tot.items()}
+    r['launch_to_first_kernel_median_ms'] = round(statistics.median(span[i][0] - launch[i]['ts'] for i in range(len(launch)) if span[i][0] is not None)/1000, 3)
+    r['graph_launch_call_ms'] = round(statistics.median(e['dur'] for e in launch)/1000, 3)
+    if stacks:
+        r['python_calls_a_batch'] = round(sum(e['cat'] == 'python_function' for e in host if launch[0]['ts'] <= e['ts'] < launch[-1]['ts'])/(len(launch) - 1))
+        r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
+    return r
+
 def one(out, arch, root, name):
     import torch
     from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders
@@ -81,6 +130,10 @@ def one(out, arch, root, name):
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device=dev)
     v = {k:x for k,x in VARIANTS[name].items() if not k.startswith('_')}
     if VARIANTS[name].get('_dynamic'): fastai_dali.feed.executor_pipeline = lambda *a, **k: fastai_dali.feed.fastai_pipeline(*a, **k)
+    if VARIANTS[name].get('_decoder'):   # (the pipeline looks its decoder up in `fn.decoders` as it builds the graph)
+        from nvidia.dali import fn
+        for op in ('image', 'image_slice', 'image_crop', 'image_random_crop'):
+            setattr(fn.decoders, op, lambda *a, _f=getattr(fn.decoders, op), **k: _f(*a, **{**k, **VARIANTS[name]['_decoder']}))
     dls = DaliDataLoaders.from_folder(root, **kw, **v)
     cb,extra,c = StepGraphCallback(),{},dls.c
     if name == 'synthetic':
