@@ -6,7 +6,8 @@ Each variant in a process of its own (resnet18 by default; bf16, channels_last, 
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
 (no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
 `CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`), the decoder without
-interpolated chroma (`jpeg_fancy_upsampling=False`), `hw_decoder_load` 0 and 0.65. For the variants in
+interpolated chroma (`jpeg_fancy_upsampling=False`), `hw_decoder_load` 0 and 0.65, the batches fetched by a thread
+of their own (`fetch_ahead`). For the variants in
 `TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's
 kernels, their union, how much of them overlap), the loader's waits (`loader_waits`) and where the graph's stream idles
 between replays (`between_replays`), per batch; with Python stacks where `TRACE_STACKS=1`. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
@@ -34,9 +35,12 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             # thread, each queued behind the graph's kernels) without the interpolated chroma the loader asks for (PIL's);
             # all of each batch on the CUDA decoder instead of the hardware one (the loader's 1.0), or DALI's default share
             'jpeg_fancy_upsampling=False': dict(_decoder=dict(jpeg_fancy_upsampling=False)),
-            'hw_decoder_load=0': dict(hw_decoder_load=0.0), 'hw_decoder_load=0.65': dict(hw_decoder_load=0.65)}
+            'hw_decoder_load=0': dict(hw_decoder_load=0.0), 'hw_decoder_load=0.65': dict(hw_decoder_load=0.65),
+            # the host's wait for the loader off the launch's path: each batch fetched by a thread of its own, two ahead,
+            # its copies on a side stream that the fit's stream waits for on the GPU (`fetch_ahead`)
+            'fetch thread': dict(_thread=True)}
 TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32',
-          'CUDA_DEVICE_MAX_CONNECTIONS=8', 'jpeg_fancy_upsampling=False', 'hw_decoder_load=0')   # (a torch.profiler trace of one more epoch)
+          'CUDA_DEVICE_MAX_CONNECTIONS=8', 'jpeg_fancy_upsampling=False', 'hw_decoder_load=0', 'fetch thread')   # (a torch.profiler trace of one more epoch)
 
 def stream_split(events, batches):
     "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
@@ -74,13 +78,13 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
                 loader_kernels_late_after_graph=round(after_run/max(1, len(late)), 2),
                 loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
 
-def between_replays(events, batches):
+def between_replays(events, batches, stall_us=1000):
     """Where the graph's stream idles between one replay and the next, a batch (ms): the idle; the part of it after the
     batch had reached the host (DALI's `share_outputs` returned, or with no Python stacks the fit thread's last
     `cudaEventSynchronize` before the launch), i.e. the host's own path from the loader's outputs to the launch; the
     host's wait in `share_outputs`; the host's time from the batch to the launch; the median delay from a launch to its
-    first kernel (the GPU's backlog: ~0 where the host is late); and, with Python stacks, Python calls a batch on the
-    fit's thread and the top-level calls between the batch and the launch"""
+    first kernel (the GPU's backlog: ~0 where the host is late); the stalls (replays that waited over `stall_us`); and,
+    with Python stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
     import bisect, statistics
     launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
     if len(launch) < 2: return {}
@@ -94,15 +98,18 @@ def between_replays(events, batches):
     stacks = any(e['cat'] == 'python_function' for e in host)
     ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
     starts = [e['ts'] for e in ready]
-    tot,top,n = collections.Counter(),collections.Counter(),0
+    tot,top,n,stalls = collections.Counter(),collections.Counter(),0,[]
     for i in range(1, len(launch)):
         if None in span[i] or None in span[i-1]: continue
-        j = bisect.bisect_right(starts, launch[i]['ts']) - 1
+        j = bisect.bisect_right(starts, launch[i]['ts']) - 1   # (-1: the fit's thread never waits for the loader: `fetch thread`)
+        l,s,e0 = launch[i]['ts'],span[i][0],span[i-1][1]
+        w = ready[j]['dur'] if j >= 0 else 0.
+        if s - e0 > stall_us: stalls.append((s - e0, w, s - l))
+        tot['idle'] += max(0, s - e0); n += 1
         if j < 0: continue
-        r,l = ready[j]['ts'] + ready[j]['dur'],launch[i]['ts']
-        s,e0 = span[i][0],span[i-1][1]
-        tot['idle'] += max(0, s - e0); tot['idle_after_batch_on_host'] += max(0, s - max(r, e0))
-        tot['host_wait'] += ready[j]['dur']; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r; n += 1
+        r = ready[j]['ts'] + ready[j]['dur']
+        tot['idle_after_batch_on_host'] += max(0, s - max(r, e0))
+        tot['host_wait'] += w; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r
         if stacks:
             end = -1
             for e in host[bisect.bisect_left([h['ts'] for h in host], r):]:
@@ -112,10 +119,52 @@ def between_replays(events, batches):
     r = {f'{k}_ms': ms(v) for k,v in tot.items()}
     r['launch_to_first_kernel_median_ms'] = round(statistics.median(span[i][0] - launch[i]['ts'] for i in range(len(launch)) if span[i][0] is not None)/1000, 3)
     r['graph_launch_call_ms'] = round(statistics.median(e['dur'] for e in launch)/1000, 3)
+    # the batches whose replay waited over `stall_us` for the previous one: how many, their share of the idle, and what
+    # the host and the GPU did meanwhile (the host's wait for the loader; the delay from the launch to the first kernel)
+    mean = lambda xs: round(statistics.mean(xs)/1000, 3) if xs else 0.
+    r['stalls'] = dict(batches=len(stalls), of=n, share_of_idle=round(sum(x[0] for x in stalls)/max(1, tot['idle']), 2),
+                       idle_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]))
     if stacks:
         r['python_calls_a_batch'] = round(sum(e['cat'] == 'python_function' for e in host if launch[0]['ts'] <= e['ts'] < launch[-1]['ts'])/(len(launch) - 1))
         r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
     return r
+
+def fetch_ahead(gen, depth=2):
+    """A loader's batches from `gen` (a generator function of the loader), each fetched by a thread of its own up to
+    `depth` ahead: the host's wait for DALI's outputs happens there, its copies on a side stream, and the consumer's
+    stream waits for them on the GPU (an event), so a late batch delays the GPU by its own lateness, not by the host's
+    path from the batch to the launch as well (a prototype: measured before the loader takes it)"""
+    import queue, threading, torch
+    def it(dl):
+        q,stop = queue.Queue(maxsize=depth),threading.Event()
+        side = torch.cuda.Stream() if torch.cuda.is_available() else None
+        def work():
+            try:
+                with torch.cuda.stream(side):
+                    for b in gen(dl):
+                        ev = None
+                        if side is not None: ev = torch.cuda.Event(); ev.record(side)
+                        q.put(('batch', b, ev))
+                        if stop.is_set(): return
+                q.put(('end', None, None))
+            except BaseException as e: q.put(('error', e, None))
+        t = threading.Thread(target=work, daemon=True); t.start()
+        try:
+            while True:
+                kind,b,ev = q.get()
+                if kind == 'end': return
+                if kind == 'error': raise b
+                if ev is not None:
+                    cur = torch.cuda.current_stream(); cur.wait_event(ev)
+                    for x in b:
+                        if isinstance(x, torch.Tensor) and x.is_cuda: x.record_stream(cur)   # (made on the side stream, read on this one)
+                yield b
+        finally:
+            stop.set()
+            while t.is_alive():   # (a consumer that stops early: the thread finishes the batch it holds)
+                try: q.get(timeout=0.1)
+                except queue.Empty: pass
+    return it
 
 def one(out, arch, root, name):
     import torch
@@ -125,11 +174,12 @@ def one(out, arch, root, name):
     from fastai_dali.training import DeviceLossCallback
     from fastai_dali.optimizer import ForeachAdam
     from fastai_dali.bench.training import bench_learner, train_timer, SyntheticDL
-    import fastai_dali.feed
+    import fastai_dali.feed, fastai_dali.loader
     dev = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cuda')   # (cpu: a dry run of this script, nothing graphed)
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device=dev)
     v = {k:x for k,x in VARIANTS[name].items() if not k.startswith('_')}
     if VARIANTS[name].get('_dynamic'): fastai_dali.feed.executor_pipeline = lambda *a, **k: fastai_dali.feed.fastai_pipeline(*a, **k)
+    if VARIANTS[name].get('_thread'): fastai_dali.loader.DaliDL.__iter__ = fetch_ahead(fastai_dali.loader.DaliDL.__iter__)
     if VARIANTS[name].get('_decoder'):   # (the pipeline looks its decoder up in `fn.decoders` as it builds the graph)
         from nvidia.dali import fn
         for op in ('image', 'image_slice', 'image_crop', 'image_random_crop'):
@@ -151,7 +201,7 @@ def one(out, arch, root, name):
         fit(); fit()   # (the warm-up: compiling, the capture; then a timed epoch)
         pr = cProfile.Profile(); pr.enable(); fit(); dev == 'cpu' or torch.cuda.synchronize(); pr.disable()
         st = pstats.Stats(pr).stats
-        wait = sum(v[2] for k,v in st.items() if k[2] == 'share_outputs')
+        wait = sum(v[2] for k,v in st.items() if k[2] == 'share_outputs' or (k[2] == 'get' and k[0].endswith('queue.py')))   # (`fetch thread`: the wait for its queue)
         replay = sum(v[2] for k,v in st.items() if k[2] == 'replay' and 'graphs' in k[0])
         n = max(1, cb.counts['replayed'] + cb.counts['fastai'])   # (the training batches of the profiled epoch)
         r = dict(arch=arch, variant=name, img_s=[round(x) for x in t.runs], counts=dict(cb.counts),
