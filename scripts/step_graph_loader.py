@@ -116,6 +116,13 @@ def between_replays(events, batches, stall_us=1000):
                 if e['ts'] > l: break
                 if e['ts'] >= end and e['ts'] + e.get('dur', 0) <= l + launch[i]['dur']: top[e['name'][:80]] += e['dur']; end = e['ts'] + e['dur']
     ms = lambda us: round(us/1000/max(1, n), 3)
+    # the graph's stream's own work between replays (the batch's copies, the smoothed loss, the numbers' copy)
+    gs = next((e['args'].get('stream') for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('correlation') in corr), None)
+    ends = sorted(b for _,b in span if b is not None); sts = sorted(a for a,_ in span if a is not None)
+    def between(t):   # (after a replay's end, before the next one's start)
+        done = bisect.bisect_right(ends, t); return done > 0 and done == bisect.bisect_right(sts, t)
+    tot['graph_stream_work_between'] = sum(e['dur'] for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
+                                          and e.get('args', {}).get('stream') == gs and e['args'].get('correlation') not in corr and between(e['ts']))
     r = {f'{k}_ms': ms(v) for k,v in tot.items()}
     r['launch_to_first_kernel_median_ms'] = round(statistics.median(span[i][0] - launch[i]['ts'] for i in range(len(launch)) if span[i][0] is not None)/1000, 3)
     r['graph_launch_call_ms'] = round(statistics.median(e['dur'] for e in launch)/1000, 3)
