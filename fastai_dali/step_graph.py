@@ -5,6 +5,7 @@
 # %% ../nbs/04e_step_graph.ipynb #79934199
 from __future__ import annotations
 import contextlib, warnings
+from types import FunctionType
 from dataclasses import dataclass
 import torch
 from torch import nn
@@ -86,6 +87,10 @@ class StepGraph:
 # %% ../nbs/04e_step_graph.ipynb #c1cfc9ae
 _CANCELS = (CancelFitException, CancelEpochException, CancelTrainException, CancelValidException, CancelBatchException)
 
+def _own_copy(f):
+    "Function `f` with a code object of its own (what `torch.compile` keeps its compiled variants by)"
+    return FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+
 class StepGraphCallback(Callback):
     "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt`"
     order = 12  # (fastai's `MixedPrecision` is 10)
@@ -133,9 +138,10 @@ def _setup(self:StepGraphCallback):
     if why: raise ValueError(f"StepGraphCallback: {why}")
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
-    # (not `fullgraph`: past Dynamo's limit of compiled variants of one function, e.g. many learners' buckets in one
-    # process, the step runs its foreach ops as they come rather than fail)
-    if self.bucket is None: self.bucket = torch.compile(bucket_step) if self.compile_opt else bucket_step
+    # (a copy of its own: Dynamo counts a function's compiled variants, 8 at most, per code object, so this callback's
+    # buckets do not share the count with other learners'; not `fullgraph`: past the count, the step runs its foreach
+    # ops as they come rather than fail)
+    if self.bucket is None: self.bucket = torch.compile(_own_copy(bucket_step)) if self.compile_opt else bucket_step
     if self.graph is None and isinstance(learn.opt, ForeachOptimizer): learn.opt.captured = None   # (another callback's capture, given back with it)
     self.params,self.mods,self.dev = list(learn.model.parameters()),list(learn.model.modules()),p.device
     mp = next((c for c in learn.cbs if isinstance(c, MixedPrecision)), None)

@@ -9,7 +9,7 @@ cProfile, whose DALI `share_outputs` time is the host waiting for the loader's n
 interpolated chroma (`jpeg_fancy_upsampling=False`), `hw_decoder_load` 0 and 0.65, the batches fetched by a thread
 of their own (`fetch_ahead`). For the variants in
 `TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's
-kernels, their union, how much of them overlap), the loader's waits (`loader_waits`) and where the graph's stream idles
+kernels, their union, how much of them overlap), the loader's waits (`loader_waits`) and what the graph's stream does
 between replays (`between_replays`), per batch; with Python stacks where `TRACE_STACKS=1`. `python scripts/step_graph_loader.py --trace FILE BATCHES` reads a saved trace again.
 
     python scripts/step_graph_loader.py OUT [ARCH] [ROOT] [VARIANTS]   (VARIANTS: comma-separated names, default all; none has a comma)
@@ -79,12 +79,13 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
                 loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
 
 def between_replays(events, batches, stall_us=1000):
-    """Where the graph's stream idles between one replay and the next, a batch (ms): the idle; the part of it after the
-    batch had reached the host (DALI's `share_outputs` returned, or with no Python stacks the fit thread's last
-    `cudaEventSynchronize` before the launch), i.e. the host's own path from the loader's outputs to the launch; the
-    host's wait in `share_outputs`; the host's time from the batch to the launch; the median delay from a launch to its
-    first kernel (the GPU's backlog: ~0 where the host is late); the stalls (replays that waited over `stall_us`); and,
-    with Python stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
+    """The graph's stream between one replay and the next, a batch (ms): the gap from one replay's last kernel to the
+    next one's first; the part of it after the batch had reached the host (DALI's `share_outputs` returned, or the
+    `fetch thread`'s queue; with no Python stacks the fit thread's last `cudaEventSynchronize` before the launch), i.e.
+    the host's own path from the loader's outputs to the launch; the stream's own work in the gaps (the batch's copies);
+    the host's wait for the batch; the host's time from the batch to the launch; the median delay from a launch to its
+    first kernel (the GPU's backlog: ~0 where the host is late); the stalls (gaps over `stall_us`); and, with Python
+    stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
     import bisect, statistics
     launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
     if len(launch) < 2: return {}
@@ -97,18 +98,19 @@ def between_replays(events, batches, stall_us=1000):
     host = sorted((e for e in events if e.get('tid') == tid and e.get('cat') in ('python_function', 'cpu_op', 'cuda_runtime')), key=lambda e: e['ts'])
     stacks = any(e['cat'] == 'python_function' for e in host)
     ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
+    if stacks and not ready: ready = [e for e in host if 'queue.py' in e['name'] and '): get' in e['name']]   # (`fetch thread`)
     starts = [e['ts'] for e in ready]
     tot,top,n,stalls = collections.Counter(),collections.Counter(),0,[]
     for i in range(1, len(launch)):
         if None in span[i] or None in span[i-1]: continue
-        j = bisect.bisect_right(starts, launch[i]['ts']) - 1   # (-1: the fit's thread never waits for the loader: `fetch thread`)
+        j = bisect.bisect_right(starts, launch[i]['ts']) - 1   # (-1: no wait for the loader on the fit's thread)
         l,s,e0 = launch[i]['ts'],span[i][0],span[i-1][1]
         w = ready[j]['dur'] if j >= 0 else 0.
         if s - e0 > stall_us: stalls.append((s - e0, w, s - l))
-        tot['idle'] += max(0, s - e0); n += 1
+        tot['gap'] += max(0, s - e0); n += 1
         if j < 0: continue
         r = ready[j]['ts'] + ready[j]['dur']
-        tot['idle_after_batch_on_host'] += max(0, s - max(r, e0))
+        tot['gap_after_batch_on_host'] += max(0, s - max(r, e0))
         tot['host_wait'] += w; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r
         if stacks:
             end = -1
@@ -120,17 +122,18 @@ def between_replays(events, batches, stall_us=1000):
     gs = next((e['args'].get('stream') for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('correlation') in corr), None)
     ends = sorted(b for _,b in span if b is not None); sts = sorted(a for a,_ in span if a is not None)
     def between(t):   # (after a replay's end, before the next one's start)
-        done = bisect.bisect_right(ends, t); return done > 0 and done == bisect.bisect_right(sts, t)
+        done = bisect.bisect_right(ends, t); return 0 < done < len(sts) and done == bisect.bisect_right(sts, t)
     tot['graph_stream_work_between'] = sum(e['dur'] for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
                                           and e.get('args', {}).get('stream') == gs and e['args'].get('correlation') not in corr and between(e['ts']))
     r = {f'{k}_ms': ms(v) for k,v in tot.items()}
+    if not ready: r.update(gap_after_batch_on_host_ms=None, host_wait_ms=None, host_batch_to_launch_ms=None)   # (not seen on the fit's thread)
     r['launch_to_first_kernel_median_ms'] = round(statistics.median(span[i][0] - launch[i]['ts'] for i in range(len(launch)) if span[i][0] is not None)/1000, 3)
     r['graph_launch_call_ms'] = round(statistics.median(e['dur'] for e in launch)/1000, 3)
-    # the batches whose replay waited over `stall_us` for the previous one: how many, their share of the idle, and what
+    # the gaps over `stall_us`: how many, their share of all the gaps, and what
     # the host and the GPU did meanwhile (the host's wait for the loader; the delay from the launch to the first kernel)
     mean = lambda xs: round(statistics.mean(xs)/1000, 3) if xs else 0.
-    r['stalls'] = dict(batches=len(stalls), of=n, share_of_idle=round(sum(x[0] for x in stalls)/max(1, tot['idle']), 2),
-                       idle_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]))
+    r['stalls'] = dict(batches=len(stalls), of=n, share_of_gaps=round(sum(x[0] for x in stalls)/max(1, tot['gap']), 2),
+                       gap_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]))
     if stacks:
         r['python_calls_a_batch'] = round(sum(e['cat'] == 'python_function' for e in host if launch[0]['ts'] <= e['ts'] < launch[-1]['ts'])/(len(launch) - 1))
         r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
@@ -142,6 +145,7 @@ def fetch_ahead(gen, depth=2):
     stream waits for them on the GPU (an event), so a late batch delays the GPU by its own lateness, not by the host's
     path from the batch to the launch as well (a prototype: measured before the loader takes it)"""
     import queue, threading, torch
+    from fastai.torch_core import apply
     def it(dl):
         q,stop = queue.Queue(maxsize=depth),threading.Event()
         side = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -163,14 +167,13 @@ def fetch_ahead(gen, depth=2):
                 if kind == 'error': raise b
                 if ev is not None:
                     cur = torch.cuda.current_stream(); cur.wait_event(ev)
-                    for x in b:
-                        if isinstance(x, torch.Tensor) and x.is_cuda: x.record_stream(cur)   # (made on the side stream, read on this one)
+                    apply(lambda x: x.record_stream(cur) if isinstance(x, torch.Tensor) and x.is_cuda else None, b)   # (made on the side stream, read on this one)
                 yield b
         finally:
             stop.set()
-            while t.is_alive():   # (a consumer that stops early: the thread finishes the batch it holds)
-                try: q.get(timeout=0.1)
-                except queue.Empty: pass
+            while t.is_alive():   # (a consumer that stops early: the thread finishes the batch it holds, its place freed)
+                try: q.get_nowait()
+                except queue.Empty: t.join(0.001)
     return it
 
 def one(out, arch, root, name):
@@ -208,7 +211,8 @@ def one(out, arch, root, name):
         fit(); fit()   # (the warm-up: compiling, the capture; then a timed epoch)
         pr = cProfile.Profile(); pr.enable(); fit(); dev == 'cpu' or torch.cuda.synchronize(); pr.disable()
         st = pstats.Stats(pr).stats
-        wait = sum(v[2] for k,v in st.items() if k[2] == 'share_outputs' or (k[2] == 'get' and k[0].endswith('queue.py')))   # (`fetch thread`: the wait for its queue)
+        # (`fetch thread`: the fit's thread waits in its queue's `get`, whose time is in the lock it calls: cumulative)
+        wait = sum(v[3] if k[2] == 'get' else v[2] for k,v in st.items() if k[2] == 'share_outputs' or (k[2] == 'get' and k[0].endswith('queue.py')))
         replay = sum(v[2] for k,v in st.items() if k[2] == 'replay' and 'graphs' in k[0])
         n = max(1, cb.counts['replayed'] + cb.counts['fastai'])   # (the training batches of the profiled epoch)
         r = dict(arch=arch, variant=name, img_s=[round(x) for x in t.runs], counts=dict(cb.counts),
