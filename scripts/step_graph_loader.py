@@ -95,6 +95,7 @@ def between_replays(events, batches, stall_us=1000):
         i = corr.get(e.get('args', {}).get('correlation')) if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') else None
         if i is not None:
             a,b = span[i]; span[i] = [e['ts'] if a is None else min(a, e['ts']), e['ts'] + e['dur'] if b is None else max(b, e['ts'] + e['dur'])]
+    if sum(a is not None for a,_ in span) < 2: return {}   # (no kernel tied to the launches: nothing to read)
     host = sorted((e for e in events if e.get('tid') == tid and e.get('cat') in ('python_function', 'cpu_op', 'cuda_runtime')), key=lambda e: e['ts'])
     stacks = any(e['cat'] == 'python_function' for e in host)
     ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]

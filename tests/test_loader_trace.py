@@ -33,3 +33,28 @@ def test_stream_split_finds_the_graph_stream():
     r = sgl.stream_split(_trace(), batches=2)
     assert list(r['per_stream']) == ['7', '175'] and r['per_stream']['7']['ms'] == 9.0
     assert r['loader_kernels_late'] == 1.0 and r['device_syncs'] == 0
+
+def _replays():
+    """Three replays (launched at 0, 10000, 25000 us; each graph's kernels 100 us after its launch, 9000 us long), the
+    fit's thread waiting in DALI's `share_outputs` before the second (400 us) and the third (12000 us: a stall), one copy
+    of the graph's stream between the first two replays and one after the last"""
+    ev = []
+    for i,t0 in enumerate((0, 10000, 25000)):
+        ev.append(dict(cat='cuda_runtime', ph='X', name='cudaGraphLaunch', tid=1, ts=t0, dur=50, args=dict(correlation=100+i)))
+        for k in range(9): ev.append(dict(cat='kernel', ph='X', name='conv', ts=t0 + 100 + 1000*k, dur=1000, args=dict(stream=7, correlation=100+i)))
+    for ts,dur in ((9500, 400), (12000, 12000)):
+        ev.append(dict(cat='python_function', ph='X', name='nvidia/dali/pipeline.py(1426): share_outputs', tid=1, ts=ts, dur=dur))
+    for ts in (9300, 35000): ev.append(dict(cat='gpu_memcpy', ph='X', name='Memcpy DtoD', ts=ts, dur=100, args=dict(stream=7, correlation=7)))
+    return ev
+
+def test_between_replays():
+    r = sgl.between_replays(_replays(), batches=3)
+    # gaps 1000 and 6000 us; after the batch reached the host 200 (9900 to 10100) and 1100 (24000 to 25100); the waits
+    # 400 and 12000; from the batch to the launch's end 150 and 1050; the copy between the replays, not the one after
+    assert {k: v for k,v in r.items() if k != 'host_batch_to_launch_top'} == dict(
+        gap_ms=3.5, gap_after_batch_on_host_ms=0.65, host_wait_ms=6.2, host_batch_to_launch_ms=0.6,
+        graph_stream_work_between_ms=0.05, launch_to_first_kernel_median_ms=0.1, graph_launch_call_ms=0.05,
+        stalls=dict(batches=1, of=2, share_of_gaps=0.86, gap_ms=6.0, host_wait_ms=12.0, launch_to_first_kernel_ms=0.1),
+        python_calls_a_batch=1)
+    assert r['host_batch_to_launch_top'] == {'cudaGraphLaunch': 0.05}
+    assert sgl.between_replays(_trace(), batches=2) == {}   # (kernels not tied to the launches)
