@@ -58,3 +58,14 @@ def test_between_replays():
         python_calls_a_batch=1)
     assert r['host_batch_to_launch_top'] == {'cudaGraphLaunch': 0.05}
     assert sgl.between_replays(_trace(), batches=2) == {}   # (kernels not tied to the launches)
+
+def test_trace_diff_kernels():
+    spec = importlib.util.spec_from_file_location('trace_diff', Path(__file__).parents[1]/'scripts'/'trace_diff.py')
+    td = importlib.util.module_from_spec(spec); spec.loader.exec_module(td)
+    # Triton's numbered kernels and template arguments differ from one compilation to the next: one name for each
+    assert [td.norm(n) for n in ('triton_poi_fused_add_relu_12', 'void at::native::reduce_kernel<512, 1>(float*)')] == \
+           ['triton_poi_fused_add_relu', 'void at::native::reduce_kernel<…>']
+    inside,outside,n = td.kernels(_replays())   # (the graph's 27 convolutions, the two copies outside it)
+    assert (n, dict(inside), dict(outside)) == (3, {'conv': [27, 27000]}, {'Memcpy DtoD': [2, 200]})
+    rows = td.diff(inside, {'conv': [30, 36000]}, 3, 3, 5)   # (a B whose convolutions take a third longer)
+    assert rows == [('conv', 9.0, 10.0, 9000.0, 12000.0, 3000.0)]
