@@ -16,7 +16,7 @@ between replays (`between_replays`), per batch; with Python stacks where `TRACE_
 
 Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
-import cProfile, collections, gzip, json, os, pstats, subprocess, sys, tempfile, time
+import cProfile, collections, gzip, json, os, pstats, statistics, subprocess, sys, tempfile, time
 
 VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),
@@ -66,9 +66,10 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
     g = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('stream') == graph_stream)
     run_ends = [a[1] for a,b in zip(g, g[1:]) if b[0] - a[1] > 300]   # (the graph stream's last kernel before it idles)
     fit_threads = {e['tid'] for e in events if e.get('name') == 'cudaGraphLaunch'}
-    waits = [(k['ts'] - launch[k['args']['correlation']]['ts'], k['ts']) for k in events if k.get('cat') == 'kernel'
+    waits = [(k['ts'] - launch[k['args']['correlation']]['ts'], k['ts'], k['name']) for k in events if k.get('cat') == 'kernel'
              and k.get('args', {}).get('stream') != graph_stream and k['args'].get('correlation') in launch]
-    late = [(w,ts) for w,ts in waits if w > late_us]
+    by_name = collections.Counter(n[:60] for w,_,n in waits if w > late_us)
+    late = [(w,ts) for w,ts,_ in waits if w > late_us]
     after_run = sum(any(0 <= ts - r < 500 for r in run_ends) for _,ts in late)   # (started as the graph's run ended)
     ev_sync = [e['dur'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaEventSynchronize'
                and e['tid'] not in fit_threads]
@@ -76,6 +77,7 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
     return dict(loader_kernels=round(len(waits)/batches, 1), loader_kernels_late=round(len(late)/batches, 2),
                 loader_kernels_late_wait_ms=round(sum(w for w,_ in late)/1000/max(1, len(late)), 3),
                 loader_kernels_late_after_graph=round(after_run/max(1, len(late)), 2),
+                loader_kernels_late_by_name={n: round(c/batches, 2) for n,c in by_name.most_common(4)},
                 loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
 
 def between_replays(events, batches, stall_us=1000):
@@ -101,13 +103,13 @@ def between_replays(events, batches, stall_us=1000):
     ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
     if stacks and not ready: ready = [e for e in host if 'queue.py' in e['name'] and '): get' in e['name']]   # (`fetch thread`)
     starts = [e['ts'] for e in ready]
-    tot,top,n,stalls = collections.Counter(),collections.Counter(),0,[]
+    tot,top,n,stalls,windows = collections.Counter(),collections.Counter(),0,[],[]
     for i in range(1, len(launch)):
         if None in span[i] or None in span[i-1]: continue
         j = bisect.bisect_right(starts, launch[i]['ts']) - 1   # (-1: no wait for the loader on the fit's thread)
         l,s,e0 = launch[i]['ts'],span[i][0],span[i-1][1]
         w = ready[j]['dur'] if j >= 0 else 0.
-        if s - e0 > stall_us: stalls.append((s - e0, w, s - l))
+        if s - e0 > stall_us: stalls.append((s - e0, w, s - l)); windows.append((e0, s))
         tot['gap'] += max(0, s - e0); n += 1
         if j < 0: continue
         r = ready[j]['ts'] + ready[j]['dur']
@@ -134,10 +136,41 @@ def between_replays(events, batches, stall_us=1000):
     # the host and the GPU did meanwhile (the host's wait for the loader; the delay from the launch to the first kernel)
     mean = lambda xs: round(statistics.mean(xs)/1000, 3) if xs else 0.
     r['stalls'] = dict(batches=len(stalls), of=n, share_of_gaps=round(sum(x[0] for x in stalls)/max(1, tot['gap']), 2),
-                       gap_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]))
+                       gap_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]),
+                       **in_stalls(events, windows, (launch[0]['ts'], max(b for _,b in span if b is not None)), gs, tid))
     if stacks:
         r['python_calls_a_batch'] = round(sum(e['cat'] == 'python_function' for e in host if launch[0]['ts'] <= e['ts'] < launch[-1]['ts'])/(len(launch) - 1))
         r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
+    return r
+
+def _covered(intervals, windows):
+    "How much of `windows` (disjoint (start, end)) the union of `intervals` covers"
+    tot,merged = 0.,[]
+    for a,b in sorted(intervals):
+        if merged and a <= merged[-1][1]: merged[-1][1] = max(merged[-1][1], b)
+        else: merged.append([a, b])
+    for a,b in merged:
+        for wa,wb in windows: tot += max(0, min(b, wb) - max(a, wa))
+    return tot
+
+def in_stalls(events, windows, span, graph_stream, fit_tid):
+    """What the rest of the GPU and the loader's busiest thread do in the stalls' `windows`, against the rest of `span`
+    (shares of time): the other streams' work (their union), the thread launching most kernels outside the fit's
+    thread (DALI's decoder) in CUDA calls; and that thread's pace, the median time from one of its host-to-device
+    copies to the next (one an image on the hardware decoder's path)"""
+    if not windows: return {}
+    w = sum(b - a for a,b in windows); rest = max(1., span[1] - span[0] - w)
+    gpu = [(e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
+           and e.get('args', {}).get('stream') != graph_stream and span[0] <= e['ts'] <= span[1]]
+    tids = collections.Counter(e['tid'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaLaunchKernel' and e['tid'] != fit_tid)
+    r = dict(other_streams_busy=round(_covered(gpu, windows)/w, 2), other_streams_busy_elsewhere=round((_covered(gpu, [span]) - _covered(gpu, windows))/rest, 2))
+    if tids:
+        t = tids.most_common(1)[0][0]
+        calls = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') == 'cuda_runtime' and e['tid'] == t and span[0] <= e['ts'] <= span[1])
+        inside = sum(max(0, min(b, wb) - max(a, wa)) for a,b in calls for wa,wb in windows)
+        mc = sorted(e['ts'] for e in events if e.get('cat') == 'cuda_runtime' and e['tid'] == t and e.get('name') == 'cudaMemcpyAsync' and span[0] <= e['ts'] <= span[1])
+        r.update(loader_thread_in_cuda_calls=round(inside/w, 2), loader_thread_in_cuda_calls_elsewhere=round((sum(b - a for a,b in calls) - inside)/rest, 2),
+                 loader_thread_copy_to_copy_median_us=round(statistics.median(b - a for a,b in zip(mc, mc[1:])), 1) if len(mc) > 1 else None)
     return r
 
 def fetch_ahead(gen, depth=2):

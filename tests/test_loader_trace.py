@@ -27,7 +27,8 @@ def _trace():
 def test_loader_waits():
     r = sgl.loader_waits(_trace(), batches=2, graph_stream=7)
     assert r == dict(loader_kernels=1.5, loader_kernels_late=1.0, loader_kernels_late_wait_ms=4.8,
-                     loader_kernels_late_after_graph=0.5, loader_event_syncs=1.5, loader_event_sync_ms=4.845)
+                     loader_kernels_late_after_graph=0.5, loader_kernels_late_by_name={'ycbcr': 1.0},
+                     loader_event_syncs=1.5, loader_event_sync_ms=4.845)
 
 def test_stream_split_finds_the_graph_stream():
     r = sgl.stream_split(_trace(), batches=2)
@@ -45,6 +46,10 @@ def _replays():
     for ts,dur in ((9500, 400), (12000, 12000)):
         ev.append(dict(cat='python_function', ph='X', name='nvidia/dali/pipeline.py(1426): share_outputs', tid=1, ts=ts, dur=dur))
     for ts in (9300, 35000): ev.append(dict(cat='gpu_memcpy', ph='X', name='Memcpy DtoD', ts=ts, dur=100, args=dict(stream=7, correlation=7)))
+    # the loader's thread (2): three copies and a launch in the stall (19100-25100), its kernels on stream 175 in it and before
+    for ts,name,dur in ((20000, 'cudaMemcpyAsync', 50), (20050, 'cudaLaunchKernel', 10), (20100, 'cudaMemcpyAsync', 50), (20300, 'cudaMemcpyAsync', 50)):
+        ev.append(dict(cat='cuda_runtime', ph='X', name=name, tid=2, ts=ts, dur=dur, args=dict(correlation=ts)))
+    for ts in (5000, 21000): ev.append(dict(cat='kernel', ph='X', name='ycbcr', ts=ts, dur=1000, args=dict(stream=175, correlation=ts+1)))
     return ev
 
 def test_between_replays():
@@ -54,7 +59,11 @@ def test_between_replays():
     assert {k: v for k,v in r.items() if k != 'host_batch_to_launch_top'} == dict(
         gap_ms=3.5, gap_after_batch_on_host_ms=0.65, host_wait_ms=6.2, host_batch_to_launch_ms=0.6,
         graph_stream_work_between_ms=0.05, launch_to_first_kernel_median_ms=0.1, graph_launch_call_ms=0.05,
-        stalls=dict(batches=1, of=2, share_of_gaps=0.86, gap_ms=6.0, host_wait_ms=12.0, launch_to_first_kernel_ms=0.1),
+        stalls=dict(batches=1, of=2, share_of_gaps=0.86, gap_ms=6.0, host_wait_ms=12.0, launch_to_first_kernel_ms=0.1,
+                    # in the stall's 6000 us the other stream's kernel 1000, the loader's thread's calls 160; elsewhere
+                    # (28100 us of the span 0-34100) the other kernel, none of its calls; its copies 100 and 200 us apart
+                    other_streams_busy=0.17, other_streams_busy_elsewhere=0.04, loader_thread_in_cuda_calls=0.03,
+                    loader_thread_in_cuda_calls_elsewhere=0.0, loader_thread_copy_to_copy_median_us=150.0),
         python_calls_a_batch=1)
     assert r['host_batch_to_launch_top'] == {'cudaGraphLaunch': 0.05}
     assert sgl.between_replays(_trace(), batches=2) == {}   # (kernels not tied to the launches)
@@ -65,7 +74,7 @@ def test_trace_diff_kernels():
     # Triton's numbered kernels and template arguments differ from one compilation to the next: one name for each
     assert [td.norm(n) for n in ('triton_poi_fused_add_relu_12', 'void at::native::reduce_kernel<512, 1>(float*)')] == \
            ['triton_poi_fused_add_relu', 'void at::native::reduce_kernel<…>']
-    inside,outside,n = td.kernels(_replays())   # (the graph's 27 convolutions, the two copies outside it)
-    assert (n, dict(inside), dict(outside)) == (3, {'conv': [27, 27000]}, {'Memcpy DtoD': [2, 200]})
+    inside,outside,n = td.kernels(_replays())   # (the graph's 27 convolutions; outside it two copies, the loader's two kernels)
+    assert (n, dict(inside), dict(outside)) == (3, {'conv': [27, 27000]}, {'Memcpy DtoD': [2, 200], 'ycbcr': [2, 2000]})
     rows = td.diff(inside, {'conv': [30, 36000]}, 3, 3, 5)   # (a B whose convolutions take a third longer)
     assert rows == [('conv', 9.0, 10.0, 9000.0, 12000.0, 3000.0)]
