@@ -13,7 +13,9 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
   (`torch.compile`, mode 'default': Triton's fused kernels, captured in the one graph with the rest), with torch's
   AdamW and with fastai's Adam as `ForeachAdam.device_step` (its numbers written by `device_numbers` before each replay),
   that step's foreach ops also compiled (`device_step(bucket=torch.compile(bucket_step))`: Inductor fuses them,
-  rows 19 and 20; in fastai's loop `StepGraphCallback(compile_opt=True)`, rows 21 and 22);
+  rows 19 and 20; in fastai's loop `StepGraphCallback(compile_opt=True)`, rows 21 and 22); and the batch's layout
+  swapped (fastai's `ChannelsLast` makes the model channels_last but leaves the batches NCHW, the plain loop feeds
+  channels_last ones): the plain whole step fed NCHW batches (row 23), fastai's fed channels_last ones (row 24);
 - `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
   synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
   kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same);
@@ -48,6 +50,11 @@ from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_opti
 sys.path.insert(0, os.path.dirname(__file__))
 from trace_kernel_split import split
 
+class ChannelsLastBatches(Callback):
+    "Each training batch's images made channels_last before the step (as the plain loop feeds them), where fastai's `ChannelsLast` leaves them NCHW"
+    order = 11   # (before `StepGraphCallback`, whose graph then copies them into a channels_last input)
+    def before_batch(self): self.learn.xb = tuple(x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x for x in self.xb)
+
 class EagerGraphs(Callback):
     "Training batches' forward and backward as the model runs them eagerly, captured once (`make_graphed_callables`) and replayed; other shapes, validation: eager"
     order = 12
@@ -65,14 +72,15 @@ class EagerGraphs(Callback):
         with torch.no_grad(): m.load_state_dict(saved)   # (copied in place: the graphs' memory stays)
         self.shape = x.shape
 
-def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False, fastai_adam=False, compiled_adam=False):
-    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest; `fastai_adam`: fastai's Adam as `ForeachAdam`'s `device_step` instead of torch's AdamW, its numbers written before each replay by `device_numbers`); returns an epoch function (img/s)"
+def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False, fastai_adam=False, compiled_adam=False, nchw_input=False):
+    "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest; `fastai_adam`: fastai's Adam as `ForeachAdam`'s `device_step` instead of torch's AdamW, its numbers written before each replay by `device_numbers`; `nchw_input`: the batches NCHW, as fastai's loop gives them, the model channels_last all the same); returns an epoch function (img/s)"
     mf = torch.channels_last
     m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=mf)
+    xf = torch.contiguous_format if nchw_input else mf   # (the batch's layout: fastai's `ChannelsLast` converts the model only)
     if compiled: m = torch.compile(m)   # (Triton kernels, no graphs of its own: the capture below takes them)
     lf = torch.nn.CrossEntropyLoss()
     x0,y0 = next(iter(dl))
-    sx = x0.as_subclass(torch.Tensor).contiguous(memory_format=mf).clone(); sy = y0.as_subclass(torch.Tensor).long().clone()
+    sx = x0.as_subclass(torch.Tensor).contiguous(memory_format=xf).clone(); sy = y0.as_subclass(torch.Tensor).long().clone()
     ac = lambda: torch.autocast('cuda', dtype=torch.bfloat16, cache_enabled=False)
     if whole_step:
         from fastai.torch_core import norm_bias_params
@@ -121,7 +129,7 @@ def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=Fals
         torch.cuda.synchronize(); t0,n = time.perf_counter(),0
         for i,(x,y) in enumerate(dl):
             if batches is not None and i == batches: break
-            x = x.as_subclass(torch.Tensor).contiguous(memory_format=mf); y = y.as_subclass(torch.Tensor).long()
+            x = x.as_subclass(torch.Tensor).contiguous(memory_format=xf); y = y.as_subclass(torch.Tensor).long()
             if x.shape != sx.shape: continue   # (a last, smaller batch)
             step(x, y); n += len(x)
         torch.cuda.synchronize(); return n/(time.perf_counter()-t0)
@@ -153,7 +161,9 @@ ROWS = (ROW_DEFAULT, f'{ROW_DEFAULT} + EagerGraphs', f'{ROW_DEFAULT} + CudaGraph
         'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step compiled',
         'plain loop, DaliDataLoaders, whole step one graph, compiled kernels, ForeachAdam.device_step compiled',
         'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback(compile_opt=True)',
-        f'{ROW_DEFAULT} + StepGraphCallback(compile_opt=True)')
+        f'{ROW_DEFAULT} + StepGraphCallback(compile_opt=True)',
+        'plain loop, synthetic, whole step one graph, compiled kernels, ForeachAdam.device_step, NCHW batches (as fastai gives them)',
+        'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback, channels_last batches')
 TRACES = {'plain_compiled': LIMIT, 'plain_whole_step': ROWS[5], 'plain_eager_graphs': ROWS[4],
           # the plain loop's whole step one graph against fastai's (`StepGraphCallback`), both on synthetic batches, both
           # the model compiled and fastai's Adam as `device_step`: the kernels fastai's loop adds to, or takes from, the graph
@@ -193,7 +203,11 @@ def one_row(out, a, k, root, epochs=3):
             ROWS[20]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True),
             # the same in fastai's loop: `StepGraphCallback` with the optimizer's foreach ops compiled (rows 12 and 13 without)
             ROWS[21]: lambda: fit_epochs(DataLoaders(sdl, sdl), arch, dls.c, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), StepGraphCallback(compile_opt=True)]),
-            ROWS[22]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[StepGraphCallback(compile_opt=True)])}
+            ROWS[22]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[StepGraphCallback(compile_opt=True)]),
+            # the batch's layout: fastai's `ChannelsLast` makes the model channels_last, not the batches (NCHW, as the
+            # loader and `SyntheticDL` give them), where the plain loop feeds channels_last batches: each loop with the other's
+            ROWS[23]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, nchw_input=True),
+            ROWS[24]: lambda: fit_epochs(DataLoaders(sdl, sdl), arch, dls.c, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), ChannelsLastBatches()], compile='step')}
     if k in TRACES:
         ep = make[TRACES[k]](); ep(); ep()
         r = dict(arch=a, trace=k, **trace(f'{out}/trace_{a}_{k}.json.gz', ep, 20))
