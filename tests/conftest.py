@@ -36,6 +36,11 @@ from PIL import Image
 # The DALI side runs where FASTAI_DALI_TEST_DEVICE says: 'cpu' (CI, DALI's CPU backend) or 'cuda' (a GPU machine,
 # GPU JPEG decode); fastai's side always runs on the CPU. Batches are compared on the CPU.
 DEVICE = os.environ.get('FASTAI_DALI_TEST_DEVICE', 'cpu')
+
+def is_sync_warning(w):
+    "Whether warning `w` is `torch.cuda.set_sync_debug_mode('warn')` seeing a synchronizing call (not its own notice, given once a process the first time the mode is set, which names 'synchronizing operations' too)"
+    m = str(w.message)
+    return 'synchronizing' in m and 'prototype feature' not in m
 # Same model, same image, loaded twice: on the GPU the JPEG decoder differs between batch sizes (nvJPEG's hardware
 # decoder takes batches, its CUDA decoder single images) and from the CPU's; measured on an H200 <= 0.0015
 PRED_ATOL = 1e-4 if DEVICE == 'cpu' else 5e-3

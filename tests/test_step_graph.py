@@ -20,7 +20,7 @@ from fastai.callback.schedule import *  # fine_tune, lr_find
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.optimizer import ForeachAdam
 from fastai_dali.step_graph import StepGraphCallback
-from conftest import DEVICE, make_id_folder
+from conftest import is_sync_warning, DEVICE, make_id_folder
 
 pytestmark = pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU checks are in nbs/04e_step_graph.ipynb)')
 
@@ -119,7 +119,7 @@ class SyncsInBatch(Callback):
     def after_batch(self):
         if not self.training: return
         torch.cuda.set_sync_debug_mode('default'); self.w.__exit__(None, None, None)
-        if self.cb.counts['replayed'] > self.replays: self.per_batch.append(sum('synchronizing' in str(w.message) for w in self.seen))
+        if self.cb.counts['replayed'] > self.replays: self.per_batch.append(sum(is_sync_warning(w) for w in self.seen))
 
 def test_no_host_sync_in_a_replayed_batch(id_root):
     cb = StepGraphCallback(compile=False)
