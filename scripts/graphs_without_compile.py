@@ -75,7 +75,8 @@ class EagerGraphs(Callback):
 def plain_graphed(dl, arch, n_out, whole_step=False, batches=None, compiled=False, fastai_adam=False, compiled_adam=False, nchw_input=False):
     "A plain loop (fused AdamW, bf16 autocast, channels_last) over `dl` with the model's eager kernels as CUDA graphs (`make_graphed_callables`), or with `whole_step` the whole step (forward, loss, backward, AdamW) one CUDA graph, the batch copied into its input (`compiled`: the model's kernels `torch.compile`'s, mode 'default', captured with the rest; `fastai_adam`: fastai's Adam as `ForeachAdam`'s `device_step` instead of torch's AdamW, its numbers written before each replay by `device_numbers`; `nchw_input`: the batches NCHW, as fastai's loop gives them, the model channels_last all the same); returns an epoch function (img/s)"
     mf = torch.channels_last
-    m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=mf)
+    # (`.train()`: `create_vision_model` leaves the body in eval mode, fastai's `dummy_eval`; fastai's fit undoes it)
+    m = create_vision_model(arch, n_out, pretrained=False).cuda().to(memory_format=mf).train()
     xf = torch.contiguous_format if nchw_input else mf   # (the batch's layout: fastai's `ChannelsLast` converts the model only)
     if compiled: m = torch.compile(m)   # (Triton kernels, no graphs of its own: the capture below takes them)
     lf = torch.nn.CrossEntropyLoss()

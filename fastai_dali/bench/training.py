@@ -97,7 +97,9 @@ def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cu
     callbacks; with `graphs` the model `torch.compile`d with mode 'reduce-overhead', as `CudaGraphCallback` compiles it)
     one more epoch and returns its img/s"""
     mf = torch.channels_last if channels_last else torch.contiguous_format
-    m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf)
+    # `.train()`: `create_vision_model` leaves the body in eval mode (fastai's `dummy_eval` measures its features with
+    # `m.eval()`), which a `Learner`'s fit undoes and a plain loop must: batch norm on the batch's statistics, as fastai trains
+    m = create_vision_model(arch, n_out, pretrained=False).to(device).to(memory_format=mf).train()
     opt,lf = torch_optimizer(m, opt),torch.nn.CrossEntropyLoss()
     if graphs: m = torch.compile(m, mode='reduce-overhead')  # (gradients set to None each step: none is a graph's memory when read)
     def epoch():
@@ -109,6 +111,7 @@ def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cu
                 loss = lf(m(x), y.as_subclass(torch.Tensor).long())
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); n += len(x)
         cuda_sync(); return n/(time.perf_counter()-t0)
+    epoch.model = m   # (what it trains)
     return epoch
 
 def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=True, device='cuda', runs=None):
