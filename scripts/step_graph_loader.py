@@ -16,7 +16,7 @@ between replays (`between_replays`), per batch; with Python stacks where `TRACE_
 
 Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
-import cProfile, collections, gzip, json, os, pstats, statistics, subprocess, sys, tempfile, time
+import bisect, cProfile, collections, gzip, json, os, pstats, statistics, subprocess, sys, tempfile, time
 
 VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),
@@ -48,10 +48,7 @@ def stream_split(events, batches):
           if e.get('cat') == 'kernel' and e.get('ph') == 'X']
     per,names = collections.Counter(),collections.defaultdict(collections.Counter)
     for a,b,s,n in ks: per[s] += b - a; names[s][n[:60]] += b - a
-    busy,end = 0.,None
-    for a,b,_,_ in sorted(ks):   # (the union of the kernels' intervals)
-        if end is None or a > end: busy += b - a; end = b
-        elif b > end: busy += b - end; end = b
+    busy = sum(b - a for a,b in _union((a, b) for a,b,_,_ in ks))   # (the union of the kernels' intervals)
     span = (max(b for _,b,_,_ in ks) - min(a for a,_,_,_ in ks)) if ks else 0.
     ms = lambda us: round(us/1000/batches, 3)
     syncs = [e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaDeviceSynchronize']
@@ -88,7 +85,6 @@ def between_replays(events, batches, stall_us=1000):
     the host's wait for the batch; the host's time from the batch to the launch; the median delay from a launch to its
     first kernel (the GPU's backlog: ~0 where the host is late); the stalls (gaps over `stall_us`); and, with Python
     stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
-    import bisect, statistics
     launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
     if len(launch) < 2: return {}
     tid,corr = launch[0]['tid'],{e['args']['correlation']: i for i,e in enumerate(launch)}
@@ -102,7 +98,7 @@ def between_replays(events, batches, stall_us=1000):
     stacks = any(e['cat'] == 'python_function' for e in host)
     ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
     if stacks and not ready: ready = [e for e in host if 'queue.py' in e['name'] and '): get' in e['name']]   # (`fetch thread`)
-    starts = [e['ts'] for e in ready]
+    starts,hts = [e['ts'] for e in ready],[e['ts'] for e in host]
     tot,top,n,stalls,windows = collections.Counter(),collections.Counter(),0,[],[]
     for i in range(1, len(launch)):
         if None in span[i] or None in span[i-1]: continue
@@ -117,7 +113,7 @@ def between_replays(events, batches, stall_us=1000):
         tot['host_wait'] += w; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r
         if stacks:
             end = -1
-            for e in host[bisect.bisect_left([h['ts'] for h in host], r):]:
+            for e in host[bisect.bisect_left(hts, r):]:
                 if e['ts'] > l: break
                 if e['ts'] >= end and e['ts'] + e.get('dur', 0) <= l + launch[i]['dur']: top[e['name'][:80]] += e['dur']; end = e['ts'] + e['dur']
     ms = lambda us: round(us/1000/max(1, n), 3)
@@ -143,15 +139,17 @@ def between_replays(events, batches, stall_us=1000):
         r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
     return r
 
-def _covered(intervals, windows):
-    "How much of `windows` (disjoint (start, end)) the union of `intervals` covers"
-    tot,merged = 0.,[]
+def _union(intervals):
+    "The union of `intervals` ((start, end) pairs): sorted, disjoint [start, end] pairs"
+    merged = []
     for a,b in sorted(intervals):
         if merged and a <= merged[-1][1]: merged[-1][1] = max(merged[-1][1], b)
         else: merged.append([a, b])
-    for a,b in merged:
-        for wa,wb in windows: tot += max(0, min(b, wb) - max(a, wa))
-    return tot
+    return merged
+
+def _covered(merged, windows):
+    "How much of `windows` (disjoint (start, end) pairs) the disjoint intervals `merged` cover"
+    return sum(max(0, min(b, wb) - max(a, wa)) for a,b in merged for wa,wb in windows)
 
 def in_stalls(events, windows, span, graph_stream, fit_tid):
     """What the rest of the GPU and the loader's busiest thread do in the stalls' `windows`, against the rest of `span`
@@ -160,8 +158,8 @@ def in_stalls(events, windows, span, graph_stream, fit_tid):
     copies to the next (one an image on the hardware decoder's path)"""
     if not windows: return {}
     w = sum(b - a for a,b in windows); rest = max(1., span[1] - span[0] - w)
-    gpu = [(e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
-           and e.get('args', {}).get('stream') != graph_stream and span[0] <= e['ts'] <= span[1]]
+    gpu = _union((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
+                 and e.get('args', {}).get('stream') != graph_stream and span[0] <= e['ts'] <= span[1])
     tids = collections.Counter(e['tid'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaLaunchKernel' and e['tid'] != fit_tid)
     r = dict(other_streams_busy=round(_covered(gpu, windows)/w, 2), other_streams_busy_elsewhere=round((_covered(gpu, [span]) - _covered(gpu, windows))/rest, 2))
     if tids:
