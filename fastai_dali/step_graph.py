@@ -92,12 +92,13 @@ def _own_copy(f):
     return FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 class StepGraphCallback(Callback):
-    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt`"
+    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt` (None: as `compile`)"
     order = 12  # (fastai's `MixedPrecision` is 10)
     _stateattrs = ('graph','module','eager','stream','params','mods','bucket')  # a graph, a compiled function or module, a stream are not pickled (`learn.export`)
-    def __init__(self, compile:bool=True, warmup:int=3, compile_opt:bool=False):
+    def __init__(self, compile:bool=True, warmup:int=3, compile_opt:bool|None=None):
         if warmup < 1: raise ValueError(f"StepGraphCallback: warmup={warmup}; at least one batch before the capture makes the gradients and the optimizer's state")
         super().__init__(); store_attr(); self._init_state()
+        if compile_opt is None: self.compile_opt = compile
     def _init_state(self):
         super()._init_state()
         self.graph,self.module,self.eager,self.stream = None,None,None,None  # the captured step; the module it runs (compiled), its model; the side stream

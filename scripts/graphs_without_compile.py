@@ -19,7 +19,8 @@ then 2 timed ones, the median; bf16, channels_last, bs 128,
 - `learn.fit` with `StepGraphCallback` (the whole step one graph in fastai's loop, fastai's Adam as `device_step`): on
   synthetic batches (`ForeachAdam` + `DeviceLossCallback`), on DaliDataLoaders with a Learner's defaults (the model's
   kernels compiled, and not), and with RandomResizedCrop + aug_transforms() (beside `CudaGraphCallback` on the same);
-  and with the loader's threads (6, MLPerf's per GPU) and prefetch depth (3) changed.
+  and with the loader's threads (6, MLPerf's per GPU) and prefetch depth (3) changed. Since `compile_opt` follows
+  `compile` (2026-12-05), these rows compile the optimizer's foreach ops too, as rows 21 and 22 do; before, they did not.
 
 `EagerGraphs` is a prototype callback: at the first training batch it captures the model's forward and backward as
 they run eagerly (`torch.cuda.make_graphed_callables`, with fastai's autocast made cache-free, which that requires),
@@ -202,7 +203,7 @@ def one_row(out, a, k, root, epochs=3):
             # fastai's Adam with its foreach ops compiled (fused by Inductor) inside the whole-step graph: what a fused step would give
             ROWS[19]: lambda: plain_graphed(sdl, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True),
             ROWS[20]: lambda: plain_graphed(dls.train, arch, dls.c, whole_step=True, compiled=True, fastai_adam=True, compiled_adam=True),
-            # the same in fastai's loop: `StepGraphCallback` with the optimizer's foreach ops compiled (rows 12 and 13 without)
+            # the same in fastai's loop: `StepGraphCallback` with the optimizer's foreach ops compiled (rows 12 and 13 too, now the default)
             ROWS[21]: lambda: fit_epochs(DataLoaders(sdl, sdl), arch, dls.c, opt_func=ForeachAdam, cbs=[DeviceLossCallback(), StepGraphCallback(compile_opt=True)]),
             ROWS[22]: lambda: fit_epochs(dls, arch, dls.c, fast_path=True, cbs=[StepGraphCallback(compile_opt=True)]),
             # the batch's layout: fastai's `ChannelsLast` makes the model channels_last, not the batches (NCHW, as the
