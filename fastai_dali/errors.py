@@ -10,11 +10,12 @@ from pathlib import Path
 from PIL import Image
 from .core import *
 from .formats import *
+import numpy as np
 from .sources import jpeg_ends
 
 # %% auto #0
 __all__ = ['BACKGROUND_MIN', 'DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error',
-           'unreadable_images', 'jpeg_problem', 'truncated_jpegs', 'JpegEndsCheck']
+           'unreadable_images', 'jpeg_problem', 'truncated_jpegs', 'jpeg_suspects', 'JpegEndsCheck']
 
 # %% ../nbs/03b_errors.ipynb #c004
 class DaliReadError(RuntimeError): "DALI could not read or decode an image file"
@@ -129,26 +130,38 @@ def truncated_jpegs(files, num_threads=None, chunk=4096):
         parts = ex.map(lambda lo: _truncated_in(files, range(lo, min(lo+chunk, len(files)))), range(0, len(files), chunk))
         return [o for p in parts for o in p]
 
-BACKGROUND_MIN = 20_000  # data sets of at least this many files are checked while their first batches go
+BACKGROUND_MIN = 20_000  # data sets of at least this many files are checked batch by batch, from the bytes DALI reads
+
+_PAD = np.frombuffer(b'\x00\r\n\t ', np.uint8)   # (what `jpeg_ends` strips)
+
+def jpeg_suspects(ends):
+    "Which rows of `ends` (each item's first 3 and last 16 bytes, as a pipeline read them: `jpeg_ends_node`) are JPEGs that do not end with their end-of-image marker, within those 16 bytes"
+    e = np.asarray(ends, dtype=np.uint8).reshape(len(ends), -1)
+    head,tail = e[:, :3],e[:, 3:]
+    jpeg = (head == np.frombuffer(b'\xff\xd8\xff', np.uint8)).all(1)
+    keep = ~np.isin(tail, _PAD)                                # the bytes before the padding
+    last = tail.shape[1] - 1 - np.argmax(keep[:, ::-1], axis=1)  # the last byte that is not padding
+    rows = np.arange(len(e))
+    ends_ok = keep.any(1) & (last >= 1) & (tail[rows, last] == 0xD9) & (tail[rows, np.maximum(last-1, 0)] == 0xFF)
+    return jpeg & ~ends_ok
 
 class JpegEndsCheck:
-    "`truncated_jpegs` of `files` (named by `names` in errors): at once, or in a thread of its own (`background`) while the first batches go"
-    def __init__(self, files, names, num_threads:int=None, of=None, background:bool=False):
-        self.files,self.names,self.of = files,names,of
-        self._bad,self._f = None,None
-        if not background: self._bad = truncated_jpegs(files, num_threads); return
-        ex = ThreadPoolExecutor(1, thread_name_prefix='fastai_dali_jpeg_ends')
-        self._f = ex.submit(truncated_jpegs, files, num_threads); ex.shutdown(wait=False)
+    "`truncated_jpegs` of `files` (named by `names` in errors): at once, or (`by_batch`) batch by batch from the bytes the pipeline read, the whole check run only once a batch holds a truncated JPEG"
+    def __init__(self, files, names, num_threads:int=None, of=None, by_batch:bool=False):
+        self.files,self.names,self.of,self.num_threads = files,names,of,num_threads
+        self._bad = None if by_batch else truncated_jpegs(files, num_threads)  # [(index, reason)], once the whole check ran
     @property
-    def done(self): return self._f is None or self._f.done()
+    def done(self): return self._bad is not None
     def bad(self):
-        "`[(index, reason)]` of the truncated JPEGs (waits for the check)"
-        return self._bad if self._f is None else self._f.result()
-    def raise_if_bad(self, wait=True):
-        "Raise a `DaliReadError` naming the first truncated JPEG of all, whatever the order read (`wait=False`: only if the check is done)"
-        if not (wait or self.done): return
+        "`[(index, reason)]` of the truncated JPEGs (runs the whole check, once)"
+        if self._bad is None: self._bad = truncated_jpegs(self.files, self.num_threads)
+        return self._bad
+    def raise_if_bad(self):
+        "Raise a `DaliReadError` naming the first truncated JPEG of all, whatever the order read"
         if b := self.bad(): raise DaliReadError(read_error_msg(self.names[b[0][0]], f"the JPEG is truncated ({b[0][1]})")) from None
-    def check_batch(self, idxs):
-        "Before the items `idxs` are given: raise as `raise_if_bad` where the check found a truncated JPEG, or where one of theirs is (then after the whole check: the same error as a check before the first batch)"
+    def check_batch(self, idxs, ends=None):
+        "Before the items `idxs` are given: raise as `raise_if_bad` where one of them is a truncated JPEG (then after the whole check: the same error as a check before the first batch); `ends`: their first and last bytes as the pipeline read them, so that only the suspects' files are read again"
         if self.done: return self.raise_if_bad()
-        if _truncated_in(self.files, idxs): self.raise_if_bad()
+        # (`idxs` may be on the GPU: read whole, or only at the suspects' rows, which are rare)
+        idxs = idxs.tolist() if ends is None and hasattr(idxs, 'tolist') else [int(idxs[i]) for i in np.flatnonzero(jpeg_suspects(ends))] if ends is not None else list(idxs)
+        if idxs and _truncated_in(self.files, idxs): self.raise_if_bad()

@@ -252,7 +252,7 @@ class Feed:
         self.inputs,self.inputs_of = None,None  # the `DaliInputs` of the dataset with id `inputs_of`
         self.targets_on = {}     # the inputs' targets, moved to each device DALI delivers on
         self.ends_checked = None # id of the dataset whose JPEG ends were checked
-        self.ends = None         # the `JpegEndsCheck` of the dataset with id `ends.of` (running, or done)
+        self.ends = None         # the `JpegEndsCheck` of the dataset with id `ends.of` (done, or batch by batch)
 
     def __getstate__(self):
         # a built pipeline holds threads and device memory: the unpickled feed builds its own, in a family of its own
@@ -271,16 +271,15 @@ class Feed:
         return self.targets_on[k]
 
     def check_jpeg_ends(self, num_threads:int=None):
-        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset); a large one is checked while its first batches go (`JpegEndsCheck`)"
+        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset); a large one is checked batch by batch instead, from the bytes its pipeline reads (`JpegEndsCheck` with `by_batch`)"
         if self.inputs.kind != 'files' or self.ends_checked == self.inputs_of: return
         if self.ends is None or self.ends.of != self.inputs_of:
             fs = self.inputs.files
-            self.ends = JpegEndsCheck(fs, self.inputs.names, num_threads, self.inputs_of, background=len(fs) >= BACKGROUND_MIN)
-        self.ends.raise_if_bad(wait=False)
-        if self.ends.done: self.ends_checked = self.inputs_of
+            self.ends = JpegEndsCheck(fs, self.inputs.names, num_threads, self.inputs_of, by_batch=len(fs) >= BACKGROUND_MIN)
+        if self.ends.done: self.ends.raise_if_bad(); self.ends_checked = self.inputs_of
 
     def _ends_pending(self):
-        "The dataset's JPEG-end check while it runs, else None"
+        "The dataset's JPEG-end check while it goes batch by batch, else None"
         e = self.ends
         return e if e is not None and e.of == self.inputs_of and self.ends_checked != self.inputs_of else None
 
@@ -316,10 +315,9 @@ class Feed:
             same = isinstance(idxs, range)   # (every item in its place: the inputs' own lists)
             files,labels,source = (inp.files if same else [inp.files[i] for i in idxs]),idxs,None
         names = [] if not files else inp.names if files is inp.files else [inp.names[i] for i in idxs]  # the user's files, for error messages
-        # a large data set's check (`JpegEndsCheck` in a thread) starts once its pipeline is built: its threads would hold
-        # the GIL that DALI's definition of the pipeline runs under (1.7 s more to a million files' first batch on 16 cores)
-        late = inp.kind == 'files' and len(inp.files) >= BACKGROUND_MIN and (self.ends is None or self.ends.of != self.inputs_of)
-        if not late: self.check_jpeg_ends(spec.num_threads)
+        self.check_jpeg_ends(spec.num_threads)
+        # a large data set's files are checked batch by batch: the pipeline gives each file's first and last bytes too
+        by_batch = {'jpeg_ends': True} if inp.kind == 'files' and self._ends_pending() is not None else {}
         mfiles = None if inp.masks is None else inp.masks if files is inp.files else [inp.masks[i] for i in idxs]
         # the files as lists DALI reads itself when the pipeline builds (`FileList`), gone once it is built
         lists = [None if fs is None or source is not None else FileList(fs, labels) for fs in (files, mfiles)]
@@ -328,11 +326,10 @@ class Feed:
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
                                hw_decoder_load=spec.hw_decoder_load, host_memory_padding=spec.host_memory_padding,
-                               mask_files=lists[1], names=outputs, **kw)
+                               mask_files=lists[1], names=outputs, **by_batch, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         except DaliReadError:
-            if late: self.check_jpeg_ends(spec.num_threads)
             if (e := self._ends_pending()) is not None: e.raise_if_bad()  # DALI met a truncated JPEG first: named as the check names it
             raise
         finally:
@@ -340,7 +337,6 @@ class Feed:
                 if o is not None: o.drop()
         self.built = self.pipes.add(BuiltPipeline(pipe, it, plan, log, spec, files, names, source, gather_n))
         self.n_builds += 1
-        if late: self.check_jpeg_ends(spec.num_threads)   # (checks each batch's files before it goes, until it is done)
         del prev
         collect_dropped(gpu=device_id is not None)  # see "Dropped pipelines" (02b_lifetime)
         return self.built
@@ -373,12 +369,7 @@ class Feed:
         token = b.start_epoch()  # stays in epoch if the consumer abandons it: the next epoch ends it early or rebuilds
         while True:
             try: d = next(b.it)
-            except StopIteration:
-                if (e := self._ends_pending()) is not None:  # the epoch's end waits for the check
-                    try: e.raise_if_bad()
-                    except DaliReadError: self.release(); raise
-                    self.ends_checked = self.inputs_of
-                break
+            except StopIteration: break
             except Exception as e:
                 self.release()
                 # DALI's own errors name no file we can trust as is; the user's (e.g. from a `get_x`) keep their traceback
@@ -387,8 +378,8 @@ class Feed:
                     raise dali_read_error(e, b.files, b.names) from None
                 raise
             k = min(len(d[0]['y']), left)
-            if (e := self._ends_pending()) is not None:  # the check still running: this batch's files checked before it goes
-                try: e.check_batch(d[0]['y'].view(-1)[:k].tolist())
+            if (e := self._ends_pending()) is not None:  # a large data set: this batch's files checked before it goes
+                try: e.check_batch(d[0]['y'].view(-1)[:k], d[0]['e'][:k] if 'e' in d[0] else None)
                 except DaliReadError: self.release(); raise
             left -= k
             if not k: continue  # drain, but never yield an empty batch

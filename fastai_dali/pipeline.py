@@ -5,6 +5,7 @@
 # %% ../nbs/02_pipeline.ipynb #c003
 from __future__ import annotations
 import os, shutil, tempfile
+import numpy as np
 from multiprocessing.util import Finalize
 from fastcore.basics import *
 from fastcore.foundation import L
@@ -15,7 +16,7 @@ from .transforms import *
 from .augment import *
 
 # %% auto #0
-__all__ = ['DaliPlan', 'pipeline_outputs', 'FileList', 'fastai_pipeline']
+__all__ = ['DaliPlan', 'pipeline_outputs', 'jpeg_ends_node', 'FileList', 'fastai_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #c101
 def _rescale(before, after):
@@ -131,11 +132,20 @@ def _window_kw(op, mixed):
     return dict(jpeg_fancy_upsampling=False) if mixed and op == 'image_slice' else {}
 
 # %% ../nbs/02_pipeline.ipynb #c005y
-def pipeline_outputs(img, y, masks, g:DaliGraph):
-    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host, as the item indices with points)"
+def pipeline_outputs(img, y, masks, g:DaliGraph, ends=None):
+    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, `e` the files' first and last bytes (`jpeg_ends_node`, kept on the CPU), then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host, as the item indices with points)"
     res = dict(x=img, y=y)
     if masks is not None: res['m'] = masks
+    if ends is not None: res['e'] = ends
     return {**res, **g.point_outputs}
+
+def jpeg_ends_node(encoded):
+    "Each encoded file's first 3 and last 16 bytes (zeros before a shorter file's), on the CPU: what `jpeg_suspects` (03b) reads to find the JPEGs cut short without reading the files again"
+    n = encoded.shape(dtype=types.INT32)
+    c = lambda v: types.Constant(np.array([v], np.int32))
+    head = fn.slice(encoded, c(0), c(3), axes=[0], out_of_bounds_policy='pad')
+    tail = fn.slice(encoded, n - 16, c(16), axes=[0], out_of_bounds_policy='pad')
+    return fn.cat(head, tail, axis=0)
 
 # %% ../nbs/02_pipeline.ipynb #4960dcf3
 _lists = None
@@ -178,8 +188,8 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 @pipeline_def
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
                     py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None,
-                    host_memory_padding=None):
-    "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`)"
+                    host_memory_padding=None, jpeg_ends=False):
+    "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`); `jpeg_ends`: the files' first and last bytes too (`jpeg_ends_node`)"
     pipe = Pipeline.current()
     gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`
@@ -222,8 +232,8 @@ def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0,
         mj,_ = fn.readers.file(**as_list(mask_files).kw, **rkw)
         m = fn.decoders.image(mj, device='cpu', output_type=types.GRAY, adjust_orientation=False)
         m = plan.masks(m, plan.graph(train, gpu, decoded=m, peek=fn.peek_image_shape(mj, adjust_orientation=False), images=g, seed=graph_seed))
-    outs = pipeline_outputs(img, y, m, g)
+    outs = pipeline_outputs(img, y, m, g, jpeg_ends_node(jpegs) if jpeg_ends and source is None else None)
     if names is not None: names.extend(outs)
     # with points, the item indices stay on the CPU with the values of the points' maps: the host moves the coordinates
-    host = {*g.point_outputs, *(('y',) if g.geom is not None else ())}
+    host = {*g.point_outputs, 'e', *(('y',) if g.geom is not None else ())}
     return tuple(o.gpu() if gpu and o.device == 'cpu' and k not in host else o for k,o in outs.items())

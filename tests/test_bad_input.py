@@ -362,12 +362,10 @@ def test_truncated_found_after_show_batch_unique(tmp_path):
     assert str(f) in str(ei.value)
 
 @pytest.mark.parametrize('where', ['in the batch', 'elsewhere'])
-def test_truncated_found_while_first_batches_go(tmp_path, monkeypatch, where):
-    "A large data set's check runs while its first batches go (`JpegEndsCheck`): a batch holding a truncated JPEG is never given, and the error names it, whichever batch meets it; the next epoch says it again"
+def test_truncated_found_batch_by_batch(tmp_path, monkeypatch, where):
+    "A large data set is checked batch by batch (`JpegEndsCheck` with `by_batch`): a batch holding a truncated JPEG is never given, and the error names it, whichever batch meets it; the next epoch says it again"
     import itertools
-    from fastai_dali import errors
-    monkeypatch.setattr(errors, 'BACKGROUND_MIN', 0)   # (every data set counts as large)
-    monkeypatch.setattr('fastai_dali.feed.BACKGROUND_MIN', 0, raising=False)
+    monkeypatch.setattr('fastai_dali.feed.BACKGROUND_MIN', 0)   # (every data set counts as large)
     root,(f,) = make_folder(tmp_path, ['truncated'])
     dd = DaliDataLoaders.from_folder(root, device=DEVICE, bs=2, item_tfms=Resize(32))
     if where == 'in the batch':
@@ -381,3 +379,20 @@ def test_truncated_found_while_first_batches_go(tmp_path, monkeypatch, where):
         with pytest.raises(DaliReadError, match='truncated') as ei: run_with_timeout(lambda: epoch(dd.valid))
         assert str(f) in str(ei.value)
     assert len(run_with_timeout(lambda: epoch(dd.train))) == len(dd.train)  # the train set is fine
+
+def test_large_data_set_checked_from_the_bytes_read(tmp_path, monkeypatch):
+    "A large data set's complete JPEGs are never read again on the host: the pipeline gives each file's first and last bytes with its batch, and only a suspect (a JPEG not ending with its marker: here one with data after it, which fastai loads) is read again, in every epoch; no check of the whole data set runs"
+    from fastai_dali import errors
+    monkeypatch.setattr('fastai_dali.feed.BACKGROUND_MIN', 0)   # (every data set counts as large)
+    read,whole = [],[]
+    real = errors._truncated_in
+    monkeypatch.setattr(errors, '_truncated_in', lambda fs, idxs: read.append([Path(fs[i]).name for i in idxs]) or real(fs, idxs))
+    monkeypatch.setattr(errors, 'truncated_jpegs', lambda *a, **k: whole.append(1) or [])
+    root,_ = make_folder(tmp_path)
+    ok = (root/'valid'/'b'/'b0.jpg').read_bytes()
+    (root/'valid'/'b'/'extra.jpg').write_bytes(ok + b'MORE DATA')   # (PIL reads it: fastai keeps it)
+    dd = DaliDataLoaders.from_folder(root, device=DEVICE, bs=2, item_tfms=Resize(32))
+    for _ in range(2):
+        assert len(run_with_timeout(lambda: epoch(dd.valid))) == len(dd.valid)
+        assert len(run_with_timeout(lambda: epoch(dd.train))) == len(dd.train)
+    assert sorted(n for r in read for n in r) == ['extra.jpg', 'extra.jpg'] and whole == [], (read, whole)

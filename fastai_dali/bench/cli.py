@@ -31,7 +31,7 @@ DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, repeats=3, max_batches=60,
               out='fastai_dali_bench', archs=('resnet18','resnet50'), epochs=3, aug=True, mixed=True, mem_epochs=10, warmup=3,
               sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150, scale_n=None, scale_classes=1000, scale_shards=None,
-              scale_mixed=False, scale_root=None):
+              scale_mixed=False, scale_root=None, scale_epochs=0):
     "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
     from fastai.vision.all import Resize, Normalize, imagenet_stats
     import fastai, nvidia.dali, platform
@@ -61,7 +61,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     if 'shards' in S: shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
     if 'targets' in S: targets_section(res, root, kw, size, repeats, warmup, aug)
     if 'scale' in S: scale_section(res, tuple(scale_n or (default_scale_n(gpu),)), scale_classes, device, max(workers), bs,
-                                    shards=scale_shards, mixed=scale_mixed, root=scale_root)
+                                    shards=scale_shards, mixed=scale_mixed, root=scale_root, epochs=scale_epochs)
     if 'parity' in S: res['parity'] = pixel_parity(make_bench_dataset(out/f'data_{parity_n}', parity_n), size=size, device=device)
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     res['fit_img_s'],res['fit_runs'] = {},{}
@@ -101,6 +101,7 @@ def cli(argv=None):
     b.add_argument('--scale-shards', type=int, default=None, help='the scale section: add the from_shards rows, this many samples a tar')
     b.add_argument('--scale-mixed', action='store_true', help="the scale section: add the row of a get_x giving each file's bytes")
     b.add_argument('--scale-root', default=None, help='the scale section: where its folders go (default: the temporary folder)')
+    b.add_argument('--scale-epochs', type=int, default=0, help="the scale section: whole epochs after each loader's first batch (ImageDataLoaders: one)")
     g = sub.add_parser('bench-gpus', help='train and time on 1 and on N GPUs (or CPU processes) under fastai\'s distrib_ctx, '
                        'DaliDataLoaders against ImageDataLoaders, checking every item id (fastai_dali.bench_gpus)')
     g.add_argument('path', nargs='?', help='an ImageNet-style folder (train/, valid/); default: generate --n JPEGs')
@@ -138,4 +139,4 @@ def cli(argv=None):
               max_batches=a.max_batches, out=a.out, archs=tuple(o for o in a.archs.split(',') if o), epochs=a.epochs,
               aug=not a.no_aug, mixed=not a.no_mixed, mem_epochs=a.mem_epochs, sections='all' if 'all' in sections else sections,
               py_workers=ints(a.py_workers), parity_n=a.parity_n, scale_n=ints(a.scale_n), scale_classes=a.scale_classes,
-              scale_shards=a.scale_shards, scale_mixed=a.scale_mixed, scale_root=a.scale_root)
+              scale_shards=a.scale_shards, scale_mixed=a.scale_mixed, scale_root=a.scale_root, scale_epochs=a.scale_epochs)

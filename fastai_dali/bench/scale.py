@@ -13,8 +13,8 @@ from .core import read_file_bytes
 from ..folders import index_file
 
 # %% auto #0
-__all__ = ['SCALE_KINDS', 'make_scale_folder', 'scale_one', 'scale_process', 'scale_rows', 'scale_markdown', 'default_scale_n',
-           'scale_section']
+__all__ = ['SCALE_KINDS', 'make_scale_folder', 'scale_one', 'scale_process', 'scale_rows', 'scale_markdown', 'epochs_markdown',
+           'default_scale_n', 'scale_section']
 
 # %% ../../nbs/07g_bench_scale.ipynb #6feb5993
 def _write_class(job):
@@ -82,8 +82,24 @@ def _loaders(kind, root, device, workers, bs, dali_kw=None):
                          batch_tfms=kw['batch_tfms']).dali_dataloaders(root, bs=bs, device=device, **(dali_kw or {}))
     return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw, **(dali_kw or {}))
 
-def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None):
-    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch; the figures as a dict (`trace`: a folder for its profile and RSS trace; `dali_kw`: more settings of the DALI rows)"
+def _rest_of_epochs(dl, it, t_first, epochs, window=100):
+    "The first epoch of `dl` finished from iterator `it` (its first batch taken at `t_first`), then `epochs`-1 more, whole: each epoch's seconds and img/s (the first one's counted after its first batch, whose wait is the open's), and the first epoch's img/s in windows of `window` batches"
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else noop
+    secs,ips,windows = [],[],[]
+    for e in range(epochs):
+        t0,ts,n = time.perf_counter(),[],[0]  # (each batch's time and the items so far: ~100 ns a batch)
+        for b in (it if e == 0 else dl): ts.append(time.perf_counter()); n.append(n[-1] + len(b[0]))
+        sync(); end = time.perf_counter()
+        if e == 0:
+            ts,start = [t_first] + ts,t_first
+            windows = [(n[j+window]-n[j])/(ts[j+window]-ts[j]) for j in range(0, len(ts)-window, window)]
+            secs.append(end - t_first); ips.append(n[-1]/(end - t_first))
+        else: secs.append(end - t0); ips.append(n[-1]/(end - t0))
+    return dict(epoch_s=secs, epoch_ips=ips, windows_ips=windows)
+
+def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None, epochs=0):
+    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch, then (`epochs`) run that many whole epochs; the figures as a dict (`trace`: a folder for its profile and RSS trace of the open; `dali_kw`: more settings of the DALI rows)"
     import resource, cProfile, pstats
     if kind not in SCALE_KINDS: raise ValueError(f"unknown row {kind!r}: one of {', '.join(SCALE_KINDS)}")
     if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
@@ -94,7 +110,7 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=N
         n,vocab = [len(items), 0],None
     else:
         dls = _loaders(kind.replace(', again', ''), root, device, workers, bs, dali_kw); t1 = time.perf_counter()
-        next(iter(dls.train)); t2 = time.perf_counter()
+        it = iter(dls.train); first = next(it); t2 = time.perf_counter()
         n,vocab = [len(dls.train_ds), len(dls.valid_ds)],len(dls.vocab)
     if trace:
         prof.disable(); os.makedirs(trace, exist_ok=True); name = kind.replace(' ', '_').replace(',', '')
@@ -102,8 +118,14 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=N
         with open(os.path.join(trace, f'{name}_profile.txt'), 'w') as f:
             st = pstats.Stats(prof, stream=f); st.sort_stats('cumtime').print_stats(60); st.sort_stats('tottime').print_stats(30)
     mb = lambda who: resource.getrusage(who).ru_maxrss/1024
-    return dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
-                children_mb=mb(resource.RUSAGE_CHILDREN), items=n, vocab=vocab)
+    res = dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
+               children_mb=mb(resource.RUSAGE_CHILDREN), items=n, vocab=vocab)
+    if epochs and kind != 'get_image_files':
+        del first   # (held as a user's loop holds one batch at a time)
+        res.update(_rest_of_epochs(dls.train, it, t2, epochs))
+        res.update(through_epoch1=t1-t0+res['first_batch']+res['epoch_s'][0], epochs_peak_mb=mb(resource.RUSAGE_SELF),
+                   epochs_children_mb=mb(resource.RUSAGE_CHILDREN))
+    return res
 
 def scale_process(kind, root, **kw):
     "`scale_one` as a new process runs it: its figures as a JSON line, then out without the loaders' teardown (not timed)"
@@ -113,8 +135,9 @@ def scale_process(kind, root, **kw):
     os._exit(0)
 
 # %% ../../nbs/07g_bench_scale.ipynb #e883f90f
-def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, dali_kw=None, log=print):
-    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON)"
+def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, dali_kw=None, log=print,
+               epochs=0):
+    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON; `epochs`: whole epochs after the first batch, one for `ImageDataLoaders`, whose first one is what the others' open and first epoch are compared with)"
     res = []
     if any(k.startswith('from_shards') for k in kinds):
         if not shards: raise ValueError("the from_shards rows need `shards`: how many samples a shard")
@@ -130,7 +153,8 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
                 for f in Path(f'{root}_shards').glob('*/*.idx*'): f.unlink()
             if kind == 'DaliDataLoaders':   # (cold: no index of an earlier walk; the row after it, 'again', reads the one it keeps)
                 index_file(root, ['train', 'valid']).unlink(missing_ok=True)
-            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw))
+            ep = min(epochs, 1) if kind == 'ImageDataLoaders' else epochs
+            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw, epochs=ep))
             code = f"import json; from fastai_dali.bench.scale import scale_process; scale_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
             out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)
@@ -144,20 +168,36 @@ def scale_markdown(rows, title=''):
     def ratio(o, i):
         b = base[i//n] if base else None
         return f"{o['total']/b['total']:.2f}, {o['peak_mb']/b['peak_mb']:.2f}" if b and o['kind'] != 'get_image_files' else ''
-    return md_table(['loader', 'build s', 'first batch s', 'to first batch s', 'peak MB', 'ratio to ImageDataLoaders (time, memory)'],
-                    [[o['kind'], f"{o['build']:.1f}", f"{o['first_batch']:.1f}", f"{o['total']:.1f}", f"{o['peak_mb']:,.0f}", ratio(o, i)]
-                     for i,o in enumerate(rows)], right=(1, 2, 3, 4))
+    res = md_table(['loader', 'build s', 'first batch s', 'to first batch s', 'peak MB', 'ratio to ImageDataLoaders (time, memory)'],
+                   [[o['kind'], f"{o['build']:.1f}", f"{o['first_batch']:.1f}", f"{o['total']:.1f}", f"{o['peak_mb']:,.0f}", ratio(o, i)]
+                    for i,o in enumerate(rows)], right=(1, 2, 3, 4))
+    return res + ('\n\n' + epochs_markdown(rows) if any('epoch_s' in o for o in rows) else '')
+
+def epochs_markdown(rows):
+    "A markdown table of the rows' whole epochs (`scale_rows(..., epochs=)`): each epoch's img/s, the first one's against the second's, its slowest window of 100 batches, the open and first epoch against `ImageDataLoaders`' of the same repeat, the peak memory through the epochs against its"
+    base,n = [o for o in rows if o['kind'] == 'ImageDataLoaders'],len({o['kind'] for o in rows})
+    def cells(o, i):
+        b,ips = (base[i//n] if base else None),o['epoch_ips']
+        vs = lambda k: f"{o[k]/b[k]:.2f}" if b and k in b else ''
+        return [o['kind'], ' / '.join(f'{v:,.0f}' for v in ips), f"{ips[0]/ips[1]:.2f}" if len(ips) > 1 else '',
+                f"{min(o['windows_ips']):,.0f}" if o['windows_ips'] else '', f"{o['through_epoch1']:.1f}", vs('through_epoch1'),
+                f"{o['epochs_peak_mb']:,.0f}", vs('epochs_peak_mb')]
+    return md_table(['loader', 'img/s each epoch', 'epoch 1 / epoch 2', 'epoch 1, slowest 100 batches img/s', 'open + epoch 1 s',
+                     'ratio to ImageDataLoaders', 'peak MB', 'ratio to ImageDataLoaders'],
+                    [cells(o, i) for i,o in enumerate(rows) if 'epoch_s' in o], right=(1, 2, 3, 4, 5, 6, 7))
 
 # %% ../../nbs/07g_bench_scale.ipynb #19dcb36e
 def default_scale_n(gpu): return 1_280_000 if gpu else 200_000
 
-def scale_section(res, ns, classes=1000, device='cpu', workers=0, bs=256, repeats=1, shards=None, mixed=False, root=None, trace=None):
-    "The `scale` rows for each folder size in `ns` into `res['scale']` ({n: rows}), printed as they come"
+def scale_section(res, ns, classes=1000, device='cpu', workers=0, bs=256, repeats=1, shards=None, mixed=False, root=None, trace=None,
+                  epochs=0):
+    "The `scale` rows for each folder size in `ns` into `res['scale']` ({n: rows}), printed as they come (`epochs`: whole epochs after each row's first batch)"
     kinds = SCALE_KINDS[:4] + (('mixed',) if mixed else ()) + (SCALE_KINDS[5:] if shards else ())
     r = res['scale'] = {}
     for n in ns:
         folder = Path(root or tempfile.gettempdir())/f'fastai_dali_scale_{n}'
         t = time.perf_counter(); make_scale_folder(folder, n, classes); print(f'scale: folder of {n:,} JPEGs {folder}: {time.perf_counter()-t:.1f} s', flush=True)
-        r[n] = scale_rows(folder, kinds, device=device, workers=workers, bs=bs, repeats=repeats, shards=shards, trace=trace, log=noop)
+        r[n] = scale_rows(folder, kinds, device=device, workers=workers, bs=bs, repeats=repeats, shards=shards, trace=trace, log=noop,
+                          epochs=epochs)
         show_markdown(scale_markdown(r[n], ''))
     return r

@@ -1,0 +1,115 @@
+"""A user's training script, as users write it, against the bench's Learner: which difference costs what.
+
+The script (`vision_learner`, `to_bf16`, the model made channels_last by hand, `StepGraphCallback()`, fastai's progress bar
+on, validation between epochs, one `fit(n)`), and variants that change one thing each, every one in a process of its own
+on the same folder (6 photo classes, 300-500 x 240-400 px JPEGs; bs 128, 224 px, bf16):
+
+    user            the script as written
+    no_bar          without fastai's progress bar (`learn.no_bar()`)
+    no_valid        validation skipped (a callback raising `CancelValidException`)
+    plain_learner   `Learner(dls, create_vision_model(...), loss_func=CrossEntropyLossFlat())`: one parameter group
+    channelslast    `learn.to_channelslast(amp_mode='bf16')` instead of `to_bf16()` + the model made channels_last
+    bench           the bench's row: plain Learner, `to_channelslast`, no bar, no validation, `fit(1)` once an epoch
+    defaults        the script without `StepGraphCallback` (a Learner's defaults), the bar on
+    defaults_no_bar the same without the bar
+
+Each epoch's training phase is timed from `before_train` to `after_train` (`torch.cuda.synchronize` at both ends); a row's
+figure is the median of its epochs after the first (EPOCHS-1 of them: with EPOCHS 4, a true median of 3). With TRACE, the
+`user` and `bench` rows also write a torch.profiler trace of batches 20-39 of their second epoch
+(`scripts/trace_diff.py A B` puts them side by side).
+
+    python scripts/user_fit.py OUT ROOT [ARCH] [EPOCHS] [ROWS] [TRACE]   (a GPU; ARCH default resnet18, EPOCHS 4,
+                                                                           ROWS comma-separated names, default all)
+
+ROOT is written once (20,000 JPEGs, 500 of them for validation) if it has no `done` file. Writes OUT/user_fit_ARCH.json.
+"""
+import contextlib, json, os, statistics, subprocess, sys, time
+
+ROWS = ('user', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar')
+
+def make_data(root, n=20_000, n_valid=500):
+    "The folder: `n` JPEGs of 300-500 x 240-400 px in 6 classes, `n_valid` of them for validation; reused when done"
+    from pathlib import Path
+    from fastai_dali.demo import make_image_folder, _photos
+    root = Path(root)
+    if (root/'done').exists(): return root
+    k = len(_photos)
+    make_image_folder(root, (n-n_valid)//k, n_valid//k, _photos, out_size=((300, 500), (240, 400)), procs=os.cpu_count())
+    (root/'done').touch()
+    return root
+
+def one_row(row, root, arch, epochs, trace):
+    "Row `row` in this process: a dict of its epochs' img/s"
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    from fastai.vision.all import (vision_learner, Learner, create_vision_model, CrossEntropyLossFlat, Resize, Normalize,
+                                   imagenet_stats, Callback, CancelValidException)
+    import torchvision.models as tvm
+    from fastai_dali.all import DaliDataLoaders, StepGraphCallback
+    arch_fn = getattr(tvm, arch)
+
+    class Timer(Callback):
+        order = 100
+        def before_fit(self): self.ips = []
+        def before_train(self): sync(); self.t0,self.n = time.perf_counter(),0
+        def after_batch(self):
+            if self.training: self.n += len(self.xb[0])
+        def after_train(self): sync(); self.ips.append(self.n/(time.perf_counter()-self.t0))
+    class NoValid(Callback):
+        def before_validate(self): raise CancelValidException()
+    class Trace(Callback):
+        "torch.profiler over batches 20-39 of the second epoch"
+        order = 101
+        def before_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 20:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                self.prof.__enter__()
+        def after_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 39:
+                sync(); self.prof.__exit__(None, None, None)
+                self.prof.export_chrome_trace(trace)
+
+    dls = DaliDataLoaders.from_folder(root, train='train', valid='valid', item_tfms=Resize(224),
+                                      batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128)
+    graphs = [] if row.startswith('defaults') else [StepGraphCallback()]
+    if row in ('plain_learner', 'bench'):
+        learn = Learner(dls, create_vision_model(arch_fn, dls.c, pretrained=False), loss_func=CrossEntropyLossFlat(), cbs=graphs)
+    else: learn = vision_learner(dls, arch_fn, pretrained=False, cbs=graphs)
+    if row in ('channelslast', 'bench'): learn.to_channelslast(amp_mode='bf16')
+    else:
+        learn.to_bf16()
+        learn.model.to(memory_format=torch.channels_last)
+    timer = Timer(); cbs = [timer] + ([NoValid()] if row in ('no_valid', 'bench') else []) + ([Trace()] if trace else [])
+    bar = row not in ('no_bar', 'bench', 'defaults_no_bar')
+    t0 = time.perf_counter()
+    if row == 'bench':
+        ips = []
+        for e in range(epochs):
+            with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=cbs)
+            ips += timer.ips
+    else:
+        with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
+        ips = timer.ips
+    return dict(row=row, arch=arch, epochs_ips=ips, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
+                fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+
+def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
+    os.makedirs(out, exist_ok=True)
+    make_data(root)
+    res = []
+    for row in rows:
+        tr = os.path.join(out, f'trace_user_fit_{arch}_{row}.json') if trace and row in ('user', 'bench') else None
+        code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from user_fit import one_row; "
+                f"print('ROW ' + json.dumps(one_row({row!r}, {str(root)!r}, {arch!r}, {epochs}, {tr!r})))")
+        p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+        line = next((l[4:] for l in p.stdout.splitlines() if l.startswith('ROW ')), None)
+        if line is None: print(f'{row}: failed\n{p.stderr[-3000:]}', flush=True); continue
+        res.append(json.loads(line)); print(line, flush=True)
+        with open(os.path.join(out, f'user_fit_{arch}.json'), 'w') as f: json.dump(res, f, indent=1)
+    return res
+
+if __name__ == '__main__':
+    a = sys.argv[1:]
+    if len(a) < 2: sys.exit(__doc__)
+    main(a[0], a[1], a[2] if len(a) > 2 else 'resnet18', int(a[3]) if len(a) > 3 else 4,
+         tuple(a[4].split(',')) if len(a) > 4 and a[4] else ROWS, len(a) > 5 and a[5] == '1')
