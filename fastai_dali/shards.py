@@ -4,7 +4,7 @@
 
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
-import io, json, os, tarfile, warnings, mmap, contextlib
+import collections, io, itertools, json, os, tarfile, warnings, mmap, contextlib
 from itertools import repeat
 from operator import attrgetter
 import multiprocessing
@@ -233,29 +233,41 @@ def _load_index(tar, cache_dir):
         except OSError: continue
     return ix,stale
 
+def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3):
+    "The `ShardIndex` of every shard of `paths` in order, a window of 2 x `num_threads` of them loaded at a time: a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them (their label texts and columns: ~1 GB at a million samples)"
+    tars = shard_paths(paths)
+    n,stale = min(len(tars), num_threads or default_num_threads()),[]
+    with ThreadPoolExecutor(n) as ex:
+        todo,going = iter(tars),collections.deque()
+        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir))
+        while going:
+            ix,s = going.popleft().result()
+            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir))
+            if s: stale.append(ix.tar)
+            yield ix
+            del ix   # (the caller's copy is all that is left of it)
+    if stale:
+        warnings.warn(f"{len(stale)} shard(s) changed since they were indexed (size or modification time), indexed again: "
+                      f"e.g. {stale[0]}", stacklevel=stacklevel)
+
 def shard_indexes(paths, cache_dir=None, num_threads:int=None):
     "The `ShardIndex` of every shard of `paths` (`shard_paths`), read from its index file, or built and written once"
-    tars = shard_paths(paths)
-    with ThreadPoolExecutor(min(len(tars), num_threads or default_num_threads())) as ex:
-        res = list(ex.map(lambda t: _load_index(t, cache_dir), tars))
-    if stale := [ix.tar for ix,s in res if s]:
-        warnings.warn(f"{len(stale)} shard(s) changed since they were indexed (size or modification time), indexed again: "
-                      f"e.g. {stale[0]}", stacklevel=2)
-    return [ix for ix,_ in res]
+    return list(_indexes(paths, cache_dir, num_threads))
 
 # %% ../nbs/04d_shards.ipynb #c014
 def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls'):
     "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
-    res,skipped = [],[]
-    for ix in shard_indexes(paths, cache_dir, num_threads):
+    res,skipped,memo = [],[],{}
+    for ix in _indexes(paths, cache_dir, num_threads):   # (each index dropped once its samples are made)
         im,texts = ix.images,ix.texts
         if im.imageless and on_error == 'skip': skipped += [f'{ix.tar}:{k}' for k in im.imageless]
         elif im.imageless:
             key = im.imageless[0]
             raise ValueError(f"{ix.tar}: sample {key!r} has no image (members: {', '.join(sorted(ix.samples[key]))}; "
                              f"images are one of {', '.join(IMAGE_EXTS)})")
-        labels = [t.get(label) if (t := texts.get(k)) is not None else None for k in im.keys]
+        # one string of each label text (a thousand of them), not one a sample (a million)
+        labels = [memo.setdefault(v, v) if (t := texts.get(k)) is not None and (v := t.get(label)) is not None else None for k in im.keys]
         # (a million samples: `map` makes them without a Python loop of ours)
         res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
