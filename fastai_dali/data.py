@@ -12,7 +12,7 @@ from fastcore.foundation import L
 from fastcore.basics import noop
 from functools import partial
 import numpy as np
-from fastai.data.core import DataLoaders, TfmdLists, Datasets
+from fastai.data.core import DataLoaders, TfmdLists, Datasets, TfmdDL
 from fastai.data.block import DataBlock, CategoryBlock
 from fastai.data.transforms import get_image_files, image_extensions, parent_label, GrandparentSplitter, RandomSplitter, Categorize, CategoryMap
 from fastai.vision.core import PILImage
@@ -165,6 +165,17 @@ class DaliDataLoaders(DataLoaders):
         res = cls(*dls.loaders, path=dls.path, device=dls.device)
         res.skipped = skipped
         return res
+
+    def new_empty(self):
+        "What `learn.export` keeps: fastai's own `DataLoaders` of `TfmdDL`s, as `ImageDataLoaders` would export, so that `load_learner` needs fastai alone (the datasets emptied, the same transforms, vocab and device)"
+        # `num_workers=None`: fastai's default for its loaders (a DaliDL has none: DALI's threads do the work)
+        return DataLoaders(*[dl.new(dl.dataset.new_empty(), cls=TfmdDL, num_workers=None) for dl in self.loaders],
+                           path=self.path, device=self.device)
+
+    @classmethod
+    def from_dls(cls, dls:DataLoaders, **kwargs):
+        "The loaders of `dls` as `DaliDL`s (DALI's settings in `kwargs`): e.g. a loaded learner's, for a `test_dl` that DALI loads"
+        return cls(*[dl.new(cls=DaliDL, **kwargs) for dl in dls.loaders], path=dls.path, device=dls.device)
 
 # %% ../nbs/04_data.ipynb #c013
 @patch(cls_method=True)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04b_training.ipynb #c003
 from __future__ import annotations
-import warnings
+import copy, warnings
 import torch
 from fastcore.basics import *
 from fastai.torch_core import to_detach
@@ -16,14 +16,28 @@ from fastai.optimizer import Adam, RAdam, SGD
 from .optimizer import ForeachAdam, ForeachRAdam, ForeachSGD
 
 # %% auto #0
-__all__ = ['DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'foreach_twin', 'DaliFastPathCallback',
-           'register_fast_path']
+__all__ = ['PickledAsFastai', 'DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'ForeachTwin', 'foreach_twin',
+           'DaliFastPathCallback', 'register_fast_path']
+
+# %% ../nbs/04b_training.ipynb #a5e7c002
+class PickledAsFastai:
+    "Mixin for a callback that changes how fastai's loop runs, not what it computes: pickled (`learn.export`) as fastai's bare `Callback`, which does nothing, so that `load_learner` needs fastai alone"
+    def __reduce__(self): return (Callback, ())
+    # (a copy in this process stays what it is: `copy` would otherwise take `__reduce__`)
+    def __copy__(self):
+        res = object.__new__(type(self)); res.__dict__.update(self.__dict__); return res
+    def __deepcopy__(self, memo):
+        res = memo[id(self)] = object.__new__(type(self)); res.__dict__.update(copy.deepcopy(self.__dict__, memo)); return res
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
     "fastai's `AvgSmoothLoss` with no copy to the CPU per batch while `owner` (a `DeviceLossCallback`) is in a fit"
     def __init__(self, beta=0.98, owner=None): super().__init__(beta); self.owner = owner
     def reset(self): super().reset(); self.pending,self.history,self.dval = [],[],None
+    def __reduce__(self):
+        "Pickled as fastai's `AvgSmoothLoss` with its values (`learn.export` after a fit cut by an error, which left this on the `Recorder`)"
+        self.replay()
+        return (AvgSmoothLoss, (self.beta,), dict(count=self.count, val=self.val))
 
     def accumulate(self, learn):
         if self.owner is None or not self.owner.in_fit(learn):  # after a fit that ended in an error: fastai's own
@@ -48,10 +62,9 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         self.replay(); return self.val/(1-self.beta**self.count)
 
 # %% ../nbs/04b_training.ipynb #c006
-class DeviceLossCallback(Callback):
+class DeviceLossCallback(PickledAsFastai, Callback):
     "Keep fastai's smoothed training loss on the device during `fit`: no host sync per training batch (a `Learner` over `DaliDataLoaders` has it by default)"
     order = Recorder.order + 1
-    _stateattrs = ('_copy',)  # a CUDA event cannot be pickled (`learn.export`)
     def __init__(self): super().__init__(); self._init_state()  # (no options)
     def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown,self.in_batch = None,False,None,False
 
@@ -132,10 +145,9 @@ class DeviceLossCallback(Callback):
         self.fitting,self._copy,self.in_batch = False,None,False
 
 # %% ../nbs/04b_training.ipynb #c010
-class CudaGraphCallback(Callback):
+class CudaGraphCallback(PickledAsFastai, Callback):
     "Training batches' forward and backward compiled by `torch.compile` (mode 'reduce-overhead') and replayed as CUDA graphs (opt-in)"
     order = 12  # after fastai's `DistributedTrainer` (11): the module it wraps is the one compiled, and put back
-    _stateattrs = ('graphs',)  # a compiled module is not pickled with the learner (`learn.export`)
     def __init__(self): super().__init__(); self._init_state()  # (no options)
     def _init_state(self):
         super()._init_state()
@@ -177,12 +189,23 @@ class CudaGraphCallback(Callback):
 # %% ../nbs/04b_training.ipynb #f835a9a3
 _TWINS = ((Adam, ForeachAdam), (RAdam, ForeachRAdam), (SGD, ForeachSGD))
 
+class ForeachTwin(partial):
+    "`partial(twin, *args, **kwargs)`: a foreach twin with the arguments of `fastai_opt`, the fastai `opt_func` it stands for, as which it pickles (`learn.export`: the same numbers, and `load_learner` needs fastai alone)"
+    def __new__(cls, twin, fastai_opt, *args, **kwargs):
+        res = super().__new__(cls, twin, *args, **kwargs)
+        res.fastai_opt = fastai_opt
+        return res
+    def __reduce__(self): return (copy.copy, (self.fastai_opt,))  # unpickled: `Adam` itself, or a copy of the user's `partial` of it
+    def __copy__(self): return self   # (a copy in this process stays the twin: a `partial` is not changed in place)
+    def __deepcopy__(self, memo): return self
+
 def foreach_twin(opt_func):
-    "fastai's `Adam`, `RAdam` or `SGD` (or a `partial` of one) as its foreach twin with the same arguments, which computes the same numbers; any other `opt_func` as it is"
+    "fastai's `Adam`, `RAdam` or `SGD` (or a `partial` of one) as its foreach twin with the same arguments (a `ForeachTwin`), which computes the same numbers; any other `opt_func` as it is"
     f = opt_func.func if isinstance(opt_func, partial) else opt_func
     twin = next((t for o,t in _TWINS if f is o), None)
     if twin is None: return opt_func
-    return partial(twin, *opt_func.args, **opt_func.keywords) if isinstance(opt_func, partial) else twin
+    args,kwargs = (opt_func.args, opt_func.keywords) if isinstance(opt_func, partial) else ((), {})
+    return ForeachTwin(twin, opt_func, *args, **kwargs)
 
 # %% ../nbs/04b_training.ipynb #1b725de0
 class DaliFastPathCallback(Callback):

@@ -36,8 +36,9 @@ nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader 
 apps=$!
 trap 'kill $smi $apps 2>/dev/null' EXIT  # the samplers end with the script, however it ends
 t0=$(date +%s)
-# -v: one line per test as it ends (names survive a cut run); SIGINT at the limit: pytest still prints its failures and summary
-timeout -s INT -k 20 ${SUITE_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
+# -v: one line per test as it ends (names survive a cut run); SIGINT at the limit: pytest still prints its failures and summary;
+# -p no:randomly: the longest files first (conftest.py's LONGEST_FIRST), not pytest-randomly's shuffle (CI's)
+timeout -s INT -k 20 ${SUITE_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider -p no:randomly -rfEX --durations=0 --durations-min=2 $xd ${PYTEST_EXTRA:-} tests > $OUT/pytest_cuda_run$run.txt 2>&1
 rc=$?; echo "rc $rc wall $(( $(date +%s) - t0 )) s, processes $procs" >> $OUT/pytest_cuda_run$run.txt
 grep -E '^(FAILED|ERROR)|passed|failed' $OUT/pytest_cuda_run$run.txt | tail -8
 # a run the limit stopped is not a passing run, whatever its summary line counts

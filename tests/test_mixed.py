@@ -145,14 +145,20 @@ def _sigint_after_load(fn):
     return _load_pickled(fn).v, signal.getsignal(signal.SIGINT) == signal.SIG_IGN
 
 def test_workers_leave_ctrl_c_to_the_main_process():
-    "A worker process that loads its source ignores SIGINT (a notebook kernel's interrupt or shutdown signals its whole process group: each of DALI's workers printed a KeyboardInterrupt traceback); the main process keeps Python's handler"
+    "A worker process that loads its source ignores SIGINT (a notebook kernel's interrupt or shutdown signals its whole process group: each of DALI's workers printed a KeyboardInterrupt traceback); the main process keeps its handler"
     import multiprocessing, signal
     from fastai_dali.sources import _PickledInFile, _load_pickled
     box = type('Box', (_Box, _PickledInFile), {})(3)
     load,(fn,) = box.__reduce__()
     assert load is _load_pickled
     with multiprocessing.get_context('spawn').Pool(1) as pool: assert pool.apply(_sigint_after_load, (fn,)) == (3, True)
-    assert _load_pickled(fn).v == 3 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # in the main process the handler is left as it was: whatever handler it has (an earlier test may have set another), a
+    # handler of this test's own, put back after
+    def mine(signum, frame): pass
+    before = signal.signal(signal.SIGINT, mine)
+    try: loaded,after = _load_pickled(fn),signal.getsignal(signal.SIGINT)
+    finally: signal.signal(signal.SIGINT, before)
+    assert loaded.v == 3 and after is mine, after
 
 class ReadBytes(Transform):
     "A fastai `Transform` giving a file's bytes (typed: it goes to DALI's workers as fastai's pipeline)"

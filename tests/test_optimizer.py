@@ -1,6 +1,7 @@
 """`ForeachAdam` / `ForeachSGD` (04c_optimizer) with `DaliDataLoaders`, as a user trains: the same parameters as fastai's
 own optimizer after `fine_tune` of a `vision_learner` (frozen body with `train_bn`, then unfrozen, discriminative rates),
-and `learn.export` / `load_learner` / `predict` with the optimizer's `opt_func`.
+and `learn.export` / `load_learner` / `predict` with the optimizer's `opt_func` given by name (the fast path's twin of fastai's
+optimizer pickles as fastai's: test_export.py).
 
 The numbers compared: on the CPU backend the two trainings are equal to the bit (the foreach operations are fastai's
 operations tensor by tensor there); on a GPU the multi-tensor kernels may round differently from the per-tensor ones, so
@@ -49,7 +50,8 @@ def test_export_predict(root, tmp_path):
     want = learn.predict(f)
     learn.export(tmp_path/'export.pkl')
     learn2 = load_learner(tmp_path/'export.pkl', cpu=DEVICE == 'cpu')
-    assert learn2.opt_func is ForeachAdam
+    assert learn2.opt_func is ForeachAdam   # given by name (not the fast path's twin, which pickles as fastai's `Adam`)
+    learn2.dls = DaliDataLoaders.from_dls(learn2.dls)   # DALI's loaders again (the exported ones are fastai's: PIL)
     got = learn2.predict(f)
     assert got[0] == want[0] and torch.allclose(got[2].cpu(), want[2].cpu(), atol=1e-5 if DEVICE == 'cpu' else 2e-3)
     learn2.dls = learn.dls   # trains on after loading, with its state created afresh
