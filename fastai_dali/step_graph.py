@@ -16,6 +16,7 @@ from fastai.callback.core import (Callback, CancelFitException, CancelEpochExcep
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.mixup import MixHandler
 from .optimizer import ForeachOptimizer, bucket_step
+from .training import PickledAsFastai
 
 # %% auto #0
 __all__ = ['step_refusal', 'StepKey', 'StepGraph', 'StepGraphCallback']
@@ -91,7 +92,7 @@ def _own_copy(f):
     "Function `f` with a code object of its own (what `torch.compile` keeps its compiled variants by)"
     return FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
-class StepGraphCallback(Callback):
+class StepGraphCallback(PickledAsFastai, Callback):
     "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt` (None: as `compile`)"
     order = 12  # (fastai's `MixedPrecision` is 10)
     _stateattrs = ('graph','module','eager','stream','params','mods','bucket')  # a graph, a compiled function or module, a stream are not pickled (`learn.export`)

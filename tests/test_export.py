@@ -258,7 +258,6 @@ def test_training_callbacks_in_cbs(tmp_path, deployed):
     learn.export(tmp_path/'cuda_graphs.pkl')
     assert ours(pickled_modules(tmp_path/'cuda_graphs.pkl')) == []
 
-@pytest.mark.xfail(strict=True, reason="StepGraphCallback (nbs/04e_step_graph.ipynb) does not take `PickledAsFastai` yet")
 def test_step_graph_callback_in_cbs(tmp_path, deployed):
     dls = deployed['learns']['multi_label'].dls
     learn = Learner(dls, small_cnn(dls.c), cbs=StepGraphCallback(compile=False))

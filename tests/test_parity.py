@@ -278,8 +278,9 @@ def trained(folder30):
         for _ in range(2): _add_norm(dls, model_meta[resnet18], pretrained=True, n_in=3)
     fd.cpu()   # `Normalize.from_stats` puts its stats on the default device; fastai's loaders here run on the CPU
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1)
+    # (the fit's losses and metrics kept here: a test run before another may fit or `lr_find` the same learner again)
     return dict(dd=dd, fd=fd, learn=learn, flearn=flearn, after_learner=after_learner, ref_x=cat(ref, 0),
-                ref_y=cat(ref, 1))
+                ref_y=cat(ref, 1), fit_values=list(learn.recorder.values[-1]))
 
 def test_normalize_added_once_and_fused(trained):
     dd,fd = trained['dd'],trained['fd']
@@ -296,7 +297,7 @@ def test_normalize_added_once_and_fused(trained):
 
 def test_fit_and_get_preds(trained):
     learn,dd,fd = trained['learn'],trained['dd'],trained['fd']
-    assert np.isfinite(learn.recorder.values[-1]).all()
+    assert np.isfinite(trained['fit_values']).all() and len(trained['fit_values']) == 3   # train and valid loss, accuracy
     preds,targs = learn.get_preds()
     assert preds.shape == (len(dd.valid_ds.items), 3)
     assert torch.equal(plain(targs), cat(epoch(fd.valid), 1))

@@ -98,6 +98,10 @@ def _rest_of_epochs(dl, it, t_first, epochs, window=100):
         else: secs.append(end - t0); ips.append(n[-1]/(end - t0))
     return dict(epoch_s=secs, epoch_ips=ips, windows_ips=windows)
 
+def _peak_mb():
+    "This process's peak RSS since it started its program (`VmHWM`): `ru_maxrss` would start from the RSS of the process that started it (a `vfork` then `exec` keeps the parent's high-water mark)"
+    with open('/proc/self/status') as f: return next(int(l.split()[1]) for l in f if l.startswith('VmHWM:'))/1024
+
 def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None, epochs=0):
     "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch, then (`epochs`) run that many whole epochs; the figures as a dict (`trace`: a folder for its profile and RSS trace of the open; `dali_kw`: more settings of the DALI rows)"
     import resource, cProfile, pstats
@@ -117,7 +121,7 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=N
         rss.write(os.path.join(trace, f'{name}_rss.txt'))
         with open(os.path.join(trace, f'{name}_profile.txt'), 'w') as f:
             st = pstats.Stats(prof, stream=f); st.sort_stats('cumtime').print_stats(60); st.sort_stats('tottime').print_stats(30)
-    mb = lambda who: resource.getrusage(who).ru_maxrss/1024
+    mb = lambda who: _peak_mb() if who == resource.RUSAGE_SELF else resource.getrusage(who).ru_maxrss/1024
     res = dict(kind=kind, build=t1-t0, first_batch=t2-t1, total=t2-t0, peak_mb=mb(resource.RUSAGE_SELF),
                children_mb=mb(resource.RUSAGE_CHILDREN), items=n, vocab=vocab)
     if epochs and kind != 'get_image_files':
