@@ -4,7 +4,8 @@ The script (`vision_learner`, `to_bf16`, the model made channels_last by hand, `
 on, validation between epochs, one `fit(n)`), and variants that change one thing each, every one in a process of its own
 on the same folder (6 photo classes, 300-500 x 240-400 px JPEGs; bs 128, 224 px, bf16):
 
-    user            the script as written
+    user            the script as written, torch's compile caches empty (a folder of its own: the first fit compiles cold)
+    user_warm       the same in a new process, the caches as `user` left them (what a second run of the script pays)
     no_bar          without fastai's progress bar (`learn.no_bar()`)
     no_valid        validation skipped (a callback raising `CancelValidException`)
     plain_learner   `Learner(dls, create_vision_model(...), loss_func=CrossEntropyLossFlat())`: one parameter group
@@ -23,9 +24,9 @@ figure is the median of its epochs after the first (EPOCHS-1 of them: with EPOCH
 
 ROOT is written once (20,000 JPEGs, 500 of them for validation) if it has no `done` file. Writes OUT/user_fit_ARCH.json.
 """
-import contextlib, json, os, statistics, subprocess, sys, time
+import contextlib, json, os, statistics, subprocess, sys, tempfile, time
 
-ROWS = ('user', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar')
+ROWS = ('user', 'user_warm', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar')
 
 def make_data(root, n=20_000, n_valid=500):
     "The folder: `n` JPEGs of 300-500 x 240-400 px in 6 classes, `n_valid` of them for validation; reused when done"
@@ -50,11 +51,13 @@ def one_row(row, root, arch, epochs, trace):
 
     class Timer(Callback):
         order = 100
-        def before_fit(self): self.ips = []
+        def before_fit(self): self.ips,self.secs = getattr(self, 'ips', []),getattr(self, 'secs', [])
         def before_train(self): sync(); self.t0,self.n = time.perf_counter(),0
         def after_batch(self):
             if self.training: self.n += len(self.xb[0])
-        def after_train(self): sync(); self.ips.append(self.n/(time.perf_counter()-self.t0))
+        def after_train(self):
+            sync(); s = time.perf_counter()-self.t0
+            self.ips.append(self.n/s); self.secs.append(s)
     class NoValid(Callback):
         def before_validate(self): raise CancelValidException()
     class Trace(Callback):
@@ -72,6 +75,7 @@ def one_row(row, root, arch, epochs, trace):
     dls = DaliDataLoaders.from_folder(root, train='train', valid='valid', item_tfms=Resize(224),
                                       batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128)
     graphs = [] if row.startswith('defaults') else [StepGraphCallback()]
+    name,row = row,row.replace('_warm', '')
     if row in ('plain_learner', 'bench'):
         learn = Learner(dls, create_vision_model(arch_fn, dls.c, pretrained=False), loss_func=CrossEntropyLossFlat(), cbs=graphs)
     else: learn = vision_learner(dls, arch_fn, pretrained=False, cbs=graphs)
@@ -83,14 +87,13 @@ def one_row(row, root, arch, epochs, trace):
     bar = row not in ('no_bar', 'bench', 'defaults_no_bar')
     t0 = time.perf_counter()
     if row == 'bench':
-        ips = []
         for e in range(epochs):
             with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=cbs)
-            ips += timer.ips
+        ips = timer.ips
     else:
         with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
         ips = timer.ips
-    return dict(row=row, arch=arch, epochs_ips=ips, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
+    return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=timer.secs, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
                 fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
 
 def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
@@ -101,7 +104,10 @@ def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
         tr = os.path.join(out, f'trace_user_fit_{arch}_{row}.json') if trace and row in ('user', 'bench') else None
         code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from user_fit import one_row; "
                 f"print('ROW ' + json.dumps(one_row({row!r}, {str(root)!r}, {arch!r}, {epochs}, {tr!r})))")
-        p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+        # torch's compile caches: a folder of this run's, empty for the first row (cold), kept for the next ones
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'user_fit_inductor_cache'))
+        if row == rows[0]: subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
+        p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
         line = next((l[4:] for l in p.stdout.splitlines() if l.startswith('ROW ')), None)
         if line is None: print(f'{row}: failed\n{p.stderr[-3000:]}', flush=True); continue
         res.append(json.loads(line)); print(line, flush=True)
