@@ -4,7 +4,7 @@
 
 # %% ../nbs/03c_items.ipynb #c002
 from __future__ import annotations
-import os, warnings, hashlib, shutil, tempfile
+import os, warnings, hashlib, shutil, tempfile, threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.util import Finalize
 from pathlib import Path, PurePath
@@ -66,15 +66,16 @@ def wrapped_fn(t):
     return t
 
 # %% ../nbs/03c_items.ipynb #c006
-_png_dir = None
+_png_dir,_png_dir_lock = None,threading.Lock()
 
 def _cached_png(f, mode='RGB'):
     "Path of a PNG of file `f` as fastai decodes it, written once per process"
     global _png_dir
-    if _png_dir is None:
-        _png_dir = Path(tempfile.mkdtemp(prefix='fastai_dali_pil_'))
-        # Finalize, not atexit: also at the exit of a multiprocessing child (nbdev_test's), only in the process that made it
-        Finalize(None, shutil.rmtree, args=(_png_dir, True), exitpriority=0)
+    with _png_dir_lock:   # (threads converting at once: one folder for all of them)
+        if _png_dir is None:
+            _png_dir = Path(tempfile.mkdtemp(prefix='fastai_dali_pil_'))
+            # Finalize, not atexit: also at the exit of a multiprocessing child (nbdev_test's), only in the process that made it
+            Finalize(None, shutil.rmtree, args=(_png_dir, True), exitpriority=0)
     try:
         st = os.stat(f)
         out = _png_dir/(hashlib.sha1(f'{Path(f).resolve()}|{st.st_size}|{st.st_mtime_ns}|{mode}'.encode()).hexdigest() + '.png')
