@@ -14,8 +14,8 @@ from .core import workers_name, labelled_bar
 __all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_STEP', 'ROW_DEFAULT', 'ROW_PLAIN_GRAPHS',
            'TRACE_PHASES', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer',
            'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds',
-           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'memory_over_epochs', 'training_section',
-           'trace_section']
+           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'user_fit', 'memory_over_epochs',
+           'training_section', 'trace_section']
 
 # %% ../../nbs/07d_bench_training.ipynb #abb17651
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -293,6 +293,19 @@ def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, c
     if fname:
         with gzip.open(fname, 'wt') as f: f.write(text)
     return trace_summary(json.loads(text)['traceEvents'], dls.train.bs)
+
+# %% ../../nbs/07d_bench_training.ipynb #c020v
+def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
+    "A user's script on `dls`: `vision_learner(dls, arch, pretrained=False, cbs=cbs)`, `to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`), one `fit(epochs, lr)`: each epoch's training img/s and seconds, and the median of the epochs after the first"
+    from fastai.vision.learner import vision_learner
+    learn = vision_learner(dls, arch, pretrained=False, cbs=list(cbs))
+    if torch.cuda.is_available() and next(learn.model.parameters()).is_cuda:
+        learn.to_bf16(); learn.model.to(memory_format=torch.channels_last)
+    t = train_timer(validate=validate)
+    with (contextlib.nullcontext() if bar else learn.no_bar()): learn.fit(epochs, lr, cbs=[t])
+    n = len(dls.train)*dls.train.bs if dls.train.drop_last else len(dls.train.dataset)   # (each epoch's training images)
+    after = t.runs[1:] or t.runs
+    return dict(img_s=t.runs, seconds=[n/r for r in t.runs], median=float(statistics.median(after)), n_median=len(after))
 
 # %% ../../nbs/07d_bench_training.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
