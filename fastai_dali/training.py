@@ -23,11 +23,11 @@ __all__ = ['PickledAsFastai', 'DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGra
 class PickledAsFastai:
     "Mixin for a callback that changes how fastai's loop runs, not what it computes: pickled (`learn.export`) as fastai's bare `Callback`, which does nothing, so that `load_learner` needs fastai alone"
     def __reduce__(self): return (Callback, ())
-    # (a copy in this process stays what it is: `copy` would otherwise take `__reduce__`)
+    # (a copy in this process stays what it is, as fastai's `Stateful` copies it: `copy` would otherwise take `__reduce__`)
     def __copy__(self):
-        res = object.__new__(type(self)); res.__dict__.update(self.__dict__); return res
+        res = object.__new__(type(self)); res.__setstate__(self.__getstate__()); return res
     def __deepcopy__(self, memo):
-        res = memo[id(self)] = object.__new__(type(self)); res.__dict__.update(copy.deepcopy(self.__dict__, memo)); return res
+        res = memo[id(self)] = object.__new__(type(self)); res.__setstate__(copy.deepcopy(self.__getstate__(), memo)); return res
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
