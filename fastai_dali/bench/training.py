@@ -12,10 +12,10 @@ from .core import workers_name, labelled_bar
 
 # %% auto #0
 __all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_STEP', 'ROW_DEFAULT', 'ROW_PLAIN_GRAPHS',
-           'TRACE_PHASES', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput', 'torch_optimizer',
-           'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds',
-           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'user_fit', 'memory_over_epochs',
-           'training_section', 'trace_section']
+           'TRACE_PHASES', 'ROW_USER', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput',
+           'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds',
+           'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'user_fit', 'user_rows',
+           'memory_over_epochs', 'training_section', 'trace_section']
 
 # %% ../../nbs/07d_bench_training.ipynb #abb17651
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -307,6 +307,16 @@ def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
     after = t.runs[1:] or t.runs
     return dict(img_s=t.runs, seconds=[n/r for r in t.runs], median=float(statistics.median(after)), n_median=len(after))
 
+ROW_USER = "a user's script (vision_learner, to_bf16, the bar, validation, one fit)"
+
+def user_rows(dls, rrc, arch, epochs=4, graphs=True):
+    "`user_fit`'s rows of one arch, {row: its figures}: with `StepGraphCallback()` on `dls` and on `rrc` (RandomResizedCrop + aug_transforms(); None: left out) where `graphs`, and a Learner's defaults with the bar and without"
+    rows = {}
+    if graphs: rows.update({f'{ROW_USER}, StepGraphCallback': (dls, [StepGraphCallback()], True),
+                            f'{ROW_USER}, StepGraphCallback, RandomResizedCrop + aug_transforms()': (rrc, [StepGraphCallback()], True)})
+    rows.update({f"{ROW_USER}, a Learner's defaults": (dls, [], True), f"{ROW_USER}, a Learner's defaults, no progress bar": (dls, [], False)})
+    return {k: user_fit(d, arch, epochs=max(epochs, 4), cbs=cbs, bar=bar) for k,(d,cbs,bar) in rows.items() if d is not None}
+
 # %% ../../nbs/07d_bench_training.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
     "Device memory in use (MiB) after each of `epochs` passes over `dl` (empty without CUDA)"
@@ -375,6 +385,9 @@ def training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
                                                                     opt_func=ForeachAdam if r['fast'] else None, bar=r['bar'], compile=r['compile'],
                                                                     fast_path=r['default']))
         fit[a],fit_runs[a] = fit_rounds({k: make(k, r) for k,r in rows.items()}, epochs, label=f'timing learn.fit {a}')
+        # a user's script as written (`user_fit`): one `fit(n)` a row, the bar on, validation between epochs
+        u = res.setdefault('user_fit', {})[a] = user_rows(dls, D.get('rrc'), arch, epochs, graphs=compiled)
+        print(a, {k: round(v['median']) for k,v in u.items()}, flush=True)
         for k,r in rows.items():  # compilation: the first epoch's seconds beyond the median of the others
             if r.get('compile') and len(sec := made[k].seconds) > 1:
                 res.setdefault('compile_s', {}).setdefault(a, {})[k] = sec[0] - statistics.median(sec[1:])
