@@ -136,7 +136,7 @@ _PAD = np.frombuffer(b'\x00\r\n\t ', np.uint8)   # (what `jpeg_ends` strips)
 
 def jpeg_suspects(ends):
     "Which rows of `ends` (each item's first 3 and last 16 bytes, as a pipeline read them: `jpeg_ends_node`) are JPEGs that do not end with their end-of-image marker, within those 16 bytes"
-    e = np.asarray(ends, dtype=np.uint8).reshape(len(ends), -1)
+    e = np.asarray(ends, dtype=np.uint8).reshape(len(ends), 19)
     head,tail = e[:, :3],e[:, 3:]
     jpeg = (head == np.frombuffer(b'\xff\xd8\xff', np.uint8)).all(1)
     keep = ~np.isin(tail, _PAD)                                # the bytes before the padding

@@ -378,7 +378,7 @@ class Feed:
                     raise dali_read_error(e, b.files, b.names) from None
                 raise
             k = min(len(d[0]['y']), left)
-            if (e := self._ends_pending()) is not None:  # a large data set: this batch's files checked before it goes
+            if k and (e := self._ends_pending()) is not None:  # a large data set: this batch's files checked before it goes
                 try: e.check_batch(d[0]['y'].view(-1)[:k], d[0]['e'][:k] if 'e' in d[0] else None)
                 except DaliReadError: self.release(); raise
             left -= k

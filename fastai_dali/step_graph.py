@@ -16,7 +16,7 @@ from fastai.callback.core import (Callback, CancelFitException, CancelEpochExcep
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.mixup import MixHandler
 from .optimizer import ForeachOptimizer, bucket_step
-from .training import PickledAsFastai
+from .training import PickledAsFastai, FitHook
 
 # %% auto #0
 __all__ = ['step_refusal', 'StepKey', 'StepGraph', 'StepGraphCallback']
@@ -118,7 +118,7 @@ def before_fit(self:StepGraphCallback):
     "Take over the learner's batches for this fit (fastai's `validate`, `get_preds` and `predict` pass through here too: nothing else happens until a training batch)"
     self._end(keep=True)   # (what a fit cut by an error outside its batches left on the learner)
     self.fit_learn = learn = self.learn
-    learn._do_one_batch,learn.all_batches = self._batch,self._all_batches   # (`_end` takes them away, however the fit ends)
+    learn._do_one_batch,learn.all_batches = FitHook(learn, '_do_one_batch', self._batch),FitHook(learn, 'all_batches', self._all_batches)   # (`_end` takes them away, however the fit ends)
 
 @patch
 def before_train(self:StepGraphCallback):
@@ -307,6 +307,6 @@ def _end(self:StepGraphCallback, keep=False):
     learn = self.fit_learn
     if learn is not None:
         for k in ('_do_one_batch', 'all_batches'):
-            if getattr(vars(learn).get(k), '__self__', None) is self: del vars(learn)[k]
+            if getattr(getattr(vars(learn).get(k), 'f', None), '__self__', None) is self: del vars(learn)[k]
     if not keep: self._end_graph()
     self.fit_learn,self.ready,self.on,self.seen,self.layout = None,False,False,(None, 0),None

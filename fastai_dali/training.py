@@ -16,8 +16,8 @@ from fastai.optimizer import Adam, RAdam, SGD
 from .optimizer import ForeachAdam, ForeachRAdam, ForeachSGD
 
 # %% auto #0
-__all__ = ['PickledAsFastai', 'DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'ForeachTwin', 'foreach_twin',
-           'DaliFastPathCallback', 'register_fast_path']
+__all__ = ['PickledAsFastai', 'FitHook', 'DeviceSmoothLoss', 'DeviceLossCallback', 'CudaGraphCallback', 'ForeachTwin',
+           'foreach_twin', 'DaliFastPathCallback', 'register_fast_path']
 
 # %% ../nbs/04b_training.ipynb #a5e7c002
 class PickledAsFastai:
@@ -28,6 +28,12 @@ class PickledAsFastai:
         res = object.__new__(type(self)); res.__setstate__(self.__getstate__()); return res
     def __deepcopy__(self, memo):
         res = memo[id(self)] = object.__new__(type(self)); res.__setstate__(copy.deepcopy(self.__getstate__(), memo)); return res
+
+class FitHook:
+    "`f`, set as `obj`'s attribute `name` for one fit (`learn.all_batches`, a `ProgressCallback`'s `after_batch`): pickled (`learn.export` during a fit, or after one cut short, which runs no `after_fit` to take it away) as `obj`'s own `name`, so that the loaded object runs fastai's"
+    def __init__(self, obj, name, f): self.obj,self.name,self.f = obj,name,f
+    def __call__(self, *args, **kwargs): return self.f(*args, **kwargs)
+    def __reduce__(self): return (getattr, (self.obj, self.name))   # (unpickled before `obj`'s own attributes: its class's)
 
 # %% ../nbs/04b_training.ipynb #c004
 class DeviceSmoothLoss(AvgSmoothLoss):
@@ -65,6 +71,7 @@ class DeviceSmoothLoss(AvgSmoothLoss):
 class DeviceLossCallback(PickledAsFastai, Callback):
     "Keep fastai's smoothed training loss on the device during `fit`: no host sync per training batch (a `Learner` over `DaliDataLoaders` has it by default)"
     order = Recorder.order + 1
+    _stateattrs = ('_copy',)  # a pinned buffer and a CUDA event: not copied (`copy.deepcopy`)
     def __init__(self): super().__init__(); self._init_state()  # (no options)
     def _init_state(self): super()._init_state(); self._copy,self.fitting,self.shown,self.in_batch = None,False,None,False
 
@@ -90,7 +97,7 @@ class DeviceLossCallback(PickledAsFastai, Callback):
         rec.smooth_loss.reset()
         self.fitting,self.shown,self._copy,self.in_batch = True,None,None,False
         pc = getattr(self.learn, 'progress', None)  # fastai's ProgressCallback, if the bar is on
-        if pc is not None: pc.after_batch = self._progress_after_batch(pc)
+        if pc is not None: pc.after_batch = FitHook(pc, 'after_batch', self._progress_after_batch(pc))
 
     def _progress_after_batch(self, pc):
         "`ProgressCallback.after_batch`, showing the last smoothed loss that reached the CPU instead of waiting for this one"
@@ -148,6 +155,7 @@ class DeviceLossCallback(PickledAsFastai, Callback):
 class CudaGraphCallback(PickledAsFastai, Callback):
     "Training batches' forward and backward compiled by `torch.compile` (mode 'reduce-overhead') and replayed as CUDA graphs (opt-in)"
     order = 12  # after fastai's `DistributedTrainer` (11): the module it wraps is the one compiled, and put back
+    _stateattrs = ('graphs',)  # the compiled module is not copied (`copy.deepcopy`)
     def __init__(self): super().__init__(); self._init_state()  # (no options)
     def _init_state(self):
         super()._init_state()
@@ -166,7 +174,7 @@ class CudaGraphCallback(PickledAsFastai, Callback):
             try: type(learn).all_batches(learn)
             finally:
                 if learn.model is self.graphs: learn.model = self.eager
-        learn.all_batches = all_batches  # (this fit's: taken away in `after_fit`)
+        learn.all_batches = FitHook(learn, 'all_batches', all_batches)  # (this fit's: taken away in `after_fit`)
 
     def before_batch(self):
         if not (self.on and self.training): return

@@ -106,7 +106,7 @@ def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
                 f"print('ROW ' + json.dumps(one_row({row!r}, {str(root)!r}, {arch!r}, {epochs}, {tr!r})))")
         # torch's compile caches: a folder of this run's, empty for the first row (cold), kept for the next ones
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'user_fit_inductor_cache'))
-        if row == rows[0]: subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
+        if row == rows[0] and not row.endswith('_warm'): subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
         p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
         line = next((l[4:] for l in p.stdout.splitlines() if l.startswith('ROW ')), None)
         if line is None: print(f'{row}: failed\n{p.stderr[-3000:]}', flush=True); continue

@@ -398,3 +398,6 @@ def test_large_data_set_checked_from_the_bytes_read(tmp_path, monkeypatch):
         assert len(run_with_timeout(lambda: epoch(dd.valid))) == len(dd.valid)
         assert len(run_with_timeout(lambda: epoch(dd.train))) == len(dd.train)
     assert sorted(n for r in read for n in r) == ['extra.jpg', 'extra.jpg'] and whole == [], (read, whole)
+    # a training set that is no multiple of the batch size: the last batch read, none of it kept (drop_last), nothing checked
+    d3 = DaliDataLoaders.from_folder(root, device=DEVICE, bs=3, item_tfms=Resize(32))
+    assert len(run_with_timeout(lambda: epoch(d3.train))) == len(d3.train) == 1

@@ -263,3 +263,24 @@ def test_step_graph_callback_in_cbs(tmp_path, deployed):
     learn = Learner(dls, small_cnn(dls.c), cbs=StepGraphCallback(compile=False))
     learn.export(tmp_path/'step_graph.pkl')
     assert ours(pickled_modules(tmp_path/'step_graph.pkl')) == []
+
+def test_export_after_a_fit_cut_short(tmp_path, deployed):
+    "A fit stopped outside its batches (Ctrl-C at an epoch's end: fastai then runs no `after_fit`) leaves the fast path's hook on the progress callback (and a graphed fit its batch hooks on the learner): the export pickles each as the object's own fastai method, and loads and predicts with fastai alone"
+    from fastai.callback.core import Callback as FastaiCallback
+    class Stop(FastaiCallback):
+        def after_epoch(self): raise KeyboardInterrupt
+    fn,files,rm = deployed['jobs']['classifier']
+    learn = deployed['learns']['classifier']
+    learn2 = Learner(learn.dls, small_cnn(learn.dls.c), loss_func=learn.loss_func)
+    with pytest.raises(KeyboardInterrupt), learn2.no_logging(): learn2.fit(1, 1e-2, cbs=Stop())
+    assert 'after_batch' in vars(learn2.progress)   # (the hook left behind)
+    learn2.export(tmp_path/'cut.pkl')
+    assert ours(pickled_modules(tmp_path/'cut.pkl')) == []
+    res = run_app({'cut': (tmp_path/'cut.pkl', files, rm)}, tmp_path)['cut']
+    assert 'error' not in res, res['error']
+    assert len(res['preds']) == len(files)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        l3 = load_learner(tmp_path/'cut.pkl')
+    preds,_ = l3.get_preds(dl=l3.dls.test_dl(files))   # fastai's progress bar on: its own `after_batch` runs
+    assert preds.shape[0] == len(files)

@@ -299,7 +299,7 @@ def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
     "A user's script on `dls`: `vision_learner(dls, arch, pretrained=False, cbs=cbs)`, `to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`), one `fit(epochs, lr)`: each epoch's training img/s and seconds, and the median of the epochs after the first"
     from fastai.vision.learner import vision_learner
     learn = vision_learner(dls, arch, pretrained=False, cbs=list(cbs))
-    if torch.cuda.is_available() and next(learn.model.parameters()).is_cuda:
+    if dls.device is not None and torch.device(dls.device).type == 'cuda':   # (the model goes to the loaders' device at the fit's start)
         learn.to_bf16(); learn.model.to(memory_format=torch.channels_last)
     t = train_timer(validate=validate)
     with (contextlib.nullcontext() if bar else learn.no_bar()): learn.fit(epochs, lr, cbs=[t])
