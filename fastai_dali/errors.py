@@ -163,5 +163,6 @@ class JpegEndsCheck:
         "Before the items `idxs` are given: raise as `raise_if_bad` where one of them is a truncated JPEG (then after the whole check: the same error as a check before the first batch); `ends`: their first and last bytes as the pipeline read them, so that only the suspects' files are read again"
         if self.done: return self.raise_if_bad()
         # (`idxs` may be on the GPU: read whole, or only at the suspects' rows, which are rare)
-        idxs = idxs.tolist() if ends is None and hasattr(idxs, 'tolist') else [int(idxs[i]) for i in np.flatnonzero(jpeg_suspects(ends))] if ends is not None else list(idxs)
+        if ends is not None: idxs = [int(idxs[i]) for i in np.flatnonzero(jpeg_suspects(ends))]
+        else: idxs = idxs.tolist() if hasattr(idxs, 'tolist') else list(idxs)
         if idxs and _truncated_in(self.files, idxs): self.raise_if_bad()
