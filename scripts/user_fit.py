@@ -13,10 +13,14 @@ on the same folder (6 photo classes, 300-500 x 240-400 px JPEGs; bs 128, 224 px,
     bench           the bench's row: plain Learner, `to_channelslast`, no bar, no validation, `fit(1)` once an epoch
     defaults        the script without `StepGraphCallback` (a Learner's defaults), the bar on
     defaults_no_bar the same without the bar
+    aug             the script with `RandomResizedCrop(224, min_scale=0.35)` and `aug_transforms()`
+    queues8         the script, started with `CUDA_DEVICE_MAX_CONNECTIONS=8` (CUDA's 8 hardware work queues, chosen by the user)
+    cuda_first      the script with `torch.cuda.is_available()` before its imports (CUDA started before fastai_dali could set
+                    the queues: the row records the warning the loader gives)
 
 Each epoch's training phase is timed from `before_train` to `after_train` (`torch.cuda.synchronize` at both ends); a row's
 figure is the median of its epochs after the first (EPOCHS-1 of them: with EPOCHS 4, a true median of 3). With TRACE, the
-`user` and `bench` rows also write a torch.profiler trace of batches 20-39 of their second epoch
+`user` and `bench` rows also write a torch.profiler trace of batches 60-79 of their first epoch (untimed)
 (`scripts/trace_diff.py A B` puts them side by side).
 
     python scripts/user_fit.py OUT ROOT [ARCH] [EPOCHS] [ROWS] [TRACE]   (a GPU; ARCH default resnet18, EPOCHS 4,
@@ -26,7 +30,8 @@ ROOT is written once (20,000 JPEGs, 500 of them for validation) if it has no `do
 """
 import contextlib, json, os, statistics, subprocess, sys, tempfile, time
 
-ROWS = ('user', 'user_warm', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar')
+ROWS = ('user', 'user_warm', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar', 'aug',
+        'queues8', 'cuda_first')
 
 def make_data(root, n=20_000, n_valid=500):
     "The folder: `n` JPEGs of 300-500 x 240-400 px in 6 classes, `n_valid` of them for validation; reused when done"
@@ -41,13 +46,22 @@ def make_data(root, n=20_000, n_valid=500):
 
 def one_row(row, root, arch, epochs, trace):
     "Row `row` in this process: a dict of its epochs' img/s"
+    import warnings
     import torch
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    from fastai.vision.all import (vision_learner, Learner, create_vision_model, CrossEntropyLossFlat, Resize, Normalize,
-                                   imagenet_stats, Callback, CancelValidException)
-    import torchvision.models as tvm
-    from fastai_dali.all import DaliDataLoaders, StepGraphCallback
-    arch_fn = getattr(tvm, arch)
+    if row == 'cuda_first': torch.cuda.is_available()   # (a question to CUDA before the imports: its driver starts with 8 queues)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        from fastai.vision.all import (vision_learner, Learner, create_vision_model, CrossEntropyLossFlat, Resize, Normalize,
+                                       imagenet_stats, Callback, CancelValidException, RandomResizedCrop, aug_transforms)
+        import torchvision.models as tvm
+        from fastai_dali.all import DaliDataLoaders, StepGraphCallback
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        arch_fn = getattr(tvm, arch)
+        item,batch = ((RandomResizedCrop(224, min_scale=0.35), [*aug_transforms(), Normalize.from_stats(*imagenet_stats)]) if row == 'aug'
+                      else (Resize(224), Normalize.from_stats(*imagenet_stats)))
+        dls = DaliDataLoaders.from_folder(root, train='train', valid='valid', item_tfms=item, batch_tfms=batch, bs=128)
+        dls.one_batch()
+    queues_warning = [str(w.message)[:120] for w in caught if 'work queues' in str(w.message)]
 
     class Timer(Callback):
         order = 100
@@ -61,21 +75,20 @@ def one_row(row, root, arch, epochs, trace):
     class NoValid(Callback):
         def before_validate(self): raise CancelValidException()
     class Trace(Callback):
-        "torch.profiler over batches 20-39 of the second epoch"
+        "torch.profiler (with Python's stacks) over batches 60-79 of the first epoch, long after the capture (the timed epochs are the later ones)"
         order = 101
+        done = False
         def before_batch(self):
-            if self.training and self.epoch == 1 and self.iter == 20:
-                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            if self.training and self.epoch == 0 and self.iter == 60 and not self.done:   # (once: the bench row's fits each have an epoch 0)
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], with_stack=True)
                 self.prof.__enter__()
         def after_batch(self):
-            if self.training and self.epoch == 1 and self.iter == 39:
+            if self.training and self.epoch == 0 and self.iter == 79:
                 sync(); self.prof.__exit__(None, None, None)
-                self.prof.export_chrome_trace(trace)
+                self.prof.export_chrome_trace(trace); self.done = True   # (a name ending .gz: written gzipped)
 
-    dls = DaliDataLoaders.from_folder(root, train='train', valid='valid', item_tfms=Resize(224),
-                                      batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128)
     graphs = [] if row.startswith('defaults') else [StepGraphCallback()]
-    name,row = row,row.replace('_warm', '')
+    name,row = row,row.replace('_warm', '').replace('queues8', 'user').replace('cuda_first', 'user')
     if row in ('plain_learner', 'bench'):
         learn = Learner(dls, create_vision_model(arch_fn, dls.c, pretrained=False), loss_func=CrossEntropyLossFlat(), cbs=graphs)
     else: learn = vision_learner(dls, arch_fn, pretrained=False, cbs=graphs)
@@ -94,18 +107,20 @@ def one_row(row, root, arch, epochs, trace):
         with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
         ips = timer.ips
     return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=timer.secs, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
-                fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+                fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
+                CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), queues_warning=queues_warning)
 
 def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
     os.makedirs(out, exist_ok=True)
     make_data(root)
     res = []
     for row in rows:
-        tr = os.path.join(out, f'trace_user_fit_{arch}_{row}.json') if trace and row in ('user', 'bench') else None
+        tr = os.path.join(out, f'trace_user_fit_{arch}_{row}.json.gz') if trace and row in ('user', 'bench') else None
         code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from user_fit import one_row; "
                 f"print('ROW ' + json.dumps(one_row({row!r}, {str(root)!r}, {arch!r}, {epochs}, {tr!r})))")
         # torch's compile caches: a folder of this run's, empty for the first row (cold), kept for the next ones
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'user_fit_inductor_cache'))
+        if row == 'queues8': env['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'   # (CUDA's default, chosen by the user)
         if row == rows[0] and not row.endswith('_warm'): subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
         p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
         line = next((l[4:] for l in p.stdout.splitlines() if l.startswith('ROW ')), None)
