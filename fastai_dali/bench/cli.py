@@ -12,7 +12,7 @@ from .core import *
 from .loaders import *
 from .loaders import loader_sections
 from .training import *
-from .training import training_section, trace_section
+from .training import training_section, user_fit_section, trace_section
 from .shards import shards_section
 from .targets import targets_section
 from .scale import scale_section, default_scale_n
@@ -24,7 +24,7 @@ __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'run_bench', 'cli']
 
 # %% ../../nbs/07i_bench_cli.ipynb #353645fb
 SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
-            'training-compile', 'trace', 'memory', 'resize', 'parity', 'shards', 'targets', 'scale')
+            'training-compile', 'user-fit', 'trace', 'memory', 'resize', 'parity', 'shards', 'targets', 'scale')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 
 # %% ../../nbs/07i_bench_cli.ipynb #c030c
@@ -66,6 +66,8 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     if 'memory' in S and gpu and mem_epochs: res['memory_over_epochs_mb'] = memory_over_epochs(dls.train, mem_epochs)
     res['fit_img_s'],res['fit_runs'] = {},{}
     if gpu and 'training' in S: training_section(S, res, archs, root, dls, kw, size, D, W, epochs)
+    # a user's script as written (`user_fit`): one `fit(n)` a row, the bar on, validation between epochs, beside the limit
+    if gpu and ('training' in S or 'user-fit' in S): user_fit_section(res, archs, dls, D.get('rrc'), size, max(epochs, 4))
     if gpu and 'trace' in S: trace_section(res, archs, dls, kw, size, out)
     res['targets'] = throughput_targets(res, gpu, W)
     show_markdown(goals_markdown(res))

@@ -102,7 +102,7 @@ def _loader_rows(S, root, dls, kw, size, workers, gpu):
     if 'mixed' in S:
         D['py'] = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=read_file_bytes, get_y=parent_label,
                             splitter=GrandparentSplitter(), item_tfms=Resize(size), batch_tfms=norm).dali_dataloaders(root, bs=bs, device=device)
-    if 'augment' in S or (gpu and 'training' in S):  # fastbook's augmentation (the training section trains with it too)
+    if 'augment' in S or (gpu and ('training' in S or 'user-fit' in S)):  # fastbook's augmentation (the training rows train with it too)
         D['rrc'] = DaliDataLoaders.from_folder(root, **{**kw, 'item_tfms': RandomResizedCrop(size, min_scale=0.35), 'batch_tfms': D['augs']})
     if 'augment' in S:
         dls_aug = DaliDataLoaders.from_folder(root, **{**kw, 'batch_tfms': D['augs']})

@@ -8,13 +8,13 @@ import json, statistics
 from ..core import *
 from .core import *
 from .core import ROW_RAW, workers_name, IDL_ROW_RE
-from .training import TRACE_PHASES, ROW_FAST, ROW_GRAPHS, ROW_STEP, ROW_DEFAULT, ROW_PLAIN_ADAMW, ROW_PLAIN_FUSED, ROW_PLAIN_GRAPHS
+from .training import TRACE_PHASES, ROW_USER, ROW_FAST, ROW_GRAPHS, ROW_STEP, ROW_DEFAULT, ROW_PLAIN_ADAMW, ROW_PLAIN_FUSED, ROW_PLAIN_GRAPHS
 from .loaders import epochs_markdown
 from .targets import ROW_LABELS, ROW_POINTS, ROW_BOXES, ROW_CONTROL, targets_title
 from .scale import scale_markdown
 
 # %% auto #0
-__all__ = ['GOALS', 'throughput_targets', 'goals_markdown', 'write_results']
+__all__ = ['GOALS', 'throughput_targets', 'goals_markdown', 'write_results', 'user_fit_markdown']
 
 # %% ../../nbs/07h_bench_report.ipynb #ef297c19
 def _target(res, name, value, goal, why=''):
@@ -173,6 +173,7 @@ def write_results(res, out, mem_epochs):
                for k,v in f.items()]
         if cs := res.get('compile_s', {}).get(a): md += ['', 'torch.compile, seconds of the first epoch beyond the others: ' + ', '.join(f'{k}: {v:.0f} s' for k,v in cs.items())]
     if res.get('compile_error'): md += ['', f"torch.compile not measured: {res['compile_error']}"]
+    if res.get('user_fit'): md += ['', user_fit_markdown(res)]
     if res.get('fit_trace'):
         md += ['', '### Timeline of 20 training batches (torch.profiler: every CUDA kernel and runtime call of the process)', '',
                '| run | img/s | GPU busy | DALI kernels ms/batch | model kernels ms/batch | host syncs/batch | ms waiting | CPU: fastai batch ms | CPU: between batches ms |',
@@ -189,3 +190,18 @@ def write_results(res, out, mem_epochs):
     (out/'bench.md').write_text('\n'.join(md)+'\n')
     if thr: bar_chart(thr, out/'bench.png', f"{res['machine']['device']}: bs {s['bs']}, {s['size']} px")
     print(f"wrote {out}/bench.json, bench.md{', bench.png' if thr else ''}")
+
+# %% ../../nbs/07h_bench_report.ipynb #e5a9c3d7
+def user_fit_markdown(res):
+    "`res['user_fit']` as a markdown table per arch, each row's median against `res['user_fit_limit']` of the same run"
+    md = []
+    for a,rows in res.get('user_fit', {}).items():
+        lim = res.get('user_fit_limit', {}).get(a)
+        head = f"### A user's script, {a}: training img/s" + (f" (the limit, {lim['row']}: {lim['median']:,.0f})" if lim else '')
+        cells = [[k[len(ROW_USER)+2:] if k.startswith(ROW_USER) else k, ' / '.join(f'{v:,.0f}' for v in r['img_s']),
+                  f"{r['median']:,.0f} ({r['n_median']})", f"{r['median']/lim['median']:.2f}" if lim else '',
+                  f"{r['seconds'][0] - statistics.median(r['seconds'][1:]):.1f}" if len(r['seconds']) > 1 else '']
+                 for k,r in rows.items()]
+        md += [head, '', f'{ROW_USER}, with:', '', md_table(['row', 'img/s each epoch', 'median of the epochs after the first (how many)',
+                                                            '÷ the limit', 'epoch 1: s beyond a later one'], cells, right=(2, 3, 4)), '']
+    return '\n'.join(md).rstrip()

@@ -15,7 +15,7 @@ __all__ = ['ROW_PLAIN_ADAMW', 'ROW_PLAIN_FUSED', 'ROW_FAST', 'ROW_GRAPHS', 'ROW_
            'TRACE_PHASES', 'ROW_USER', 'SyntheticDL', 'serial_bound', 'bench_learner', 'fit_throughput',
            'torch_optimizer', 'torch_loop_epochs', 'torch_loop_throughput', 'fit_epochs', 'compile_works', 'fit_rounds',
            'drop_kineto_lines', 'quiet_kineto', 'trace_summary', 'fit_trace', 'user_fit', 'user_rows',
-           'memory_over_epochs', 'training_section', 'trace_section']
+           'user_fit_section', 'memory_over_epochs', 'training_section', 'trace_section']
 
 # %% ../../nbs/07d_bench_training.ipynb #abb17651
 # training rows the goals divide: the plain loop with fastai's Adam as torch's AdamW (its ceiling), and the fast path
@@ -317,6 +317,23 @@ def user_rows(dls, rrc, arch, epochs=4, graphs=True):
     rows.update({f"{ROW_USER}, a Learner's defaults": (dls, [], True), f"{ROW_USER}, a Learner's defaults, no progress bar": (dls, [], False)})
     return {k: user_fit(d, arch, epochs=max(epochs, 4), cbs=cbs, bar=bar) for k,(d,cbs,bar) in rows.items() if d is not None}
 
+# %% ../../nbs/07d_bench_training.ipynb #b7d3f402
+def user_fit_section(res, archs, dls, rrc, size, epochs=4, graphs=None):
+    "`user_rows` of each of `archs` into `res['user_fit']`, and the limit of the same run into `res['user_fit_limit']` (`graphs` None: where the device is CUDA and `torch.compile` works)"
+    from fastai.vision.all import models
+    dev = torch.device(dls.device or 'cpu')
+    if graphs is None: graphs = dev.type == 'cuda' and compile_works(dev.type) is None
+    for a in archs:
+        arch = getattr(models, a)
+        sdl = SyntheticDL(bs=dls.train.bs, size=size, n_batches=len(dls.train), c=dls.c, device=dev)
+        epoch = torch_loop_epochs(sdl, arch, dls.c, device=dev.type, opt='adamw_fused', graphs=graphs, bf16=dev.type == 'cuda')
+        runs = [epoch() for _ in range(max(epochs, 4))]
+        res.setdefault('user_fit_limit', {})[a] = dict(row=ROW_PLAIN_GRAPHS if graphs else ROW_PLAIN_FUSED, img_s=runs,
+                                                       median=float(statistics.median(runs[1:])))
+        del epoch; gc.collect()
+        u = res.setdefault('user_fit', {})[a] = user_rows(dls, rrc, arch, epochs, graphs=graphs)
+        print(a, 'limit', round(res['user_fit_limit'][a]['median']), {k: round(v['median']) for k,v in u.items()}, flush=True)
+
 # %% ../../nbs/07d_bench_training.ipynb #c022
 def memory_over_epochs(dl, epochs=10):
     "Device memory in use (MiB) after each of `epochs` passes over `dl` (empty without CUDA)"
@@ -385,9 +402,6 @@ def training_section(S, res, archs, root, dls, kw, size, D, W, epochs):
                                                                     opt_func=ForeachAdam if r['fast'] else None, bar=r['bar'], compile=r['compile'],
                                                                     fast_path=r['default']))
         fit[a],fit_runs[a] = fit_rounds({k: make(k, r) for k,r in rows.items()}, epochs, label=f'timing learn.fit {a}')
-        # a user's script as written (`user_fit`): one `fit(n)` a row, the bar on, validation between epochs
-        u = res.setdefault('user_fit', {})[a] = user_rows(dls, D.get('rrc'), arch, epochs, graphs=compiled)
-        print(a, {k: round(v['median']) for k,v in u.items()}, flush=True)
         for k,r in rows.items():  # compilation: the first epoch's seconds beyond the median of the others
             if r.get('compile') and len(sec := made[k].seconds) > 1:
                 res.setdefault('compile_s', {}).setdefault(a, {})[k] = sec[0] - statistics.median(sec[1:])
