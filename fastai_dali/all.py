@@ -9,7 +9,7 @@ __all__ = []
 # every module, for what importing it registers: the DALI translations of fastai's transforms, the fast path in fastai's
 # `defaults.callbacks`, the patch of fastai's distributed loader (each module's own names stay there: `fastai_dali.feed.Feed`)
 from . import (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader,
-                         distributed, data, training, optimizer, step_graph, shards)
+                         distributed, data, training, optimizer, graphs, shards)
 
 # %% ../nbs/05_all.ipynb #c003
 from .core import set_work_queues
@@ -18,9 +18,9 @@ from .errors import DaliReadError, DaliPythonError, truncated_jpegs, unreadable_
 from .folders import image_files
 from .loader import DaliDL, DaliReport
 from .data import DaliDataLoaders, check_image_folder, ZipMember
-from .training import DeviceLossCallback, CudaGraphCallback, DaliFastPathCallback
+from .training import DeviceLossCallback, DaliFastPathCallback
 from .optimizer import ForeachOptimizer, ForeachAdam, ForeachRAdam, ForeachSGD
-from .step_graph import StepGraphCallback
+from .graphs import StepGraphCallback, CudaGraphCallback
 from .shards import write_shards
 
 __all__ = ['DaliDataLoaders', 'DaliDL', 'DaliReport', 'check_image_folder', 'image_files', 'ZipMember', 'write_shards',

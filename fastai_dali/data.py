@@ -23,7 +23,6 @@ from .items import *
 from .folders import *
 from .loader import *
 from .distributed import *  # under fastai's distrib_ctx each process gets its shard of a DaliDL
-from . import training as _training  # registers `DaliFastPathCallback`: a Learner made over these loaders takes the fast path
 
 # %% auto #0
 __all__ = ['check_image_folder', 'GivenSplits', 'split_slices', 'DaliDataLoaders', 'ZipMember']
@@ -140,7 +139,7 @@ def _datasets(dblock, source, cache_dir=None):
 # %% ../nbs/04_data.ipynb #c011
 class DaliDataLoaders(DataLoaders):
     "A `DataLoaders` of `DaliDL`s, with `ImageDataLoaders`' factories"
-    # a `Learner` made over these trains on the fast path (`DaliFastPathCallback`, 04b_training); False: fastai's own.
+    # a `Learner` made over these trains on the fast path (`DaliFastPathCallback`, 04c_training); False: fastai's own.
     # Read when the Learner is made: set it before `vision_learner`/`Learner(...)`
     fast_path = True
     @classmethod

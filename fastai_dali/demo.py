@@ -4,15 +4,14 @@
 
 # %% ../nbs/06_demo.ipynb #c003
 from __future__ import annotations
-import argparse, gc, shutil, statistics, time, tempfile, multiprocessing as mp
+import argparse, gc, statistics, time, multiprocessing as mp
 from contextlib import closing
-from multiprocessing.util import Finalize
 from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 
 # %% auto #0
-__all__ = ['sample_photos', 'make_image_folder', 'make_bench_dataset', 'scratch_dir', 'cuda_sync', 'gpu_memory_mb', 'time_loader',
+__all__ = ['sample_photos', 'make_image_folder', 'make_bench_dataset', 'cuda_sync', 'gpu_memory_mb', 'time_loader',
            'loader_throughput', 'epoch_timeline', 'train_timer', 'run_demo', 'main']
 
 # %% ../nbs/06_demo.ipynb #c004
@@ -66,13 +65,7 @@ def make_bench_dataset(root, n=10000, classes=_photos[:5], valid_frac=0.2, procs
     return root
 
 # %% ../nbs/06_demo.ipynb #c006t
-def scratch_dir(prefix='fastai_dali_'):
-    "A new temporary folder, removed (with what is in it) when this process exits"
-    d = Path(tempfile.mkdtemp(prefix=prefix))
-    # multiprocessing's Finalize, not atexit: it also runs when this process is a multiprocessing child (nbdev_test runs
-    # each notebook in one), and only in the process that made it (a forked fastai worker inherits it, and skips it)
-    Finalize(None, shutil.rmtree, args=(d,), kwargs=dict(ignore_errors=True), exitpriority=0)
-    return d
+from .dirs import scratch_dir   # (see Folders of our own)
 
 # %% ../nbs/06_demo.ipynb #c008
 def cuda_sync():
@@ -160,12 +153,11 @@ def train_timer(warmup=0, validate=True):
 def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None, warmup=2):
     "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
     from fastai.vision.all import vision_learner, accuracy, Resize, Normalize, imagenet_stats, models
-    from fastai_dali.data import DaliDataLoaders
-    from fastai_dali.optimizer import ForeachAdam
+    from fastai_dali.all import DaliDataLoaders, ForeachAdam   # (as a user imports it: the fast path a Learner takes is registered there)
     if path is None: path = make_image_folder(scratch_dir()/'photos', n_train=n_train, n_valid=n_valid)
     dls = DaliDataLoaders.from_folder(path, item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=bs, device=device)
-    # fastai's Adam on torch's foreach kernels: the same parameters, 1.4-1.6x the training img/s on the H200 (04c_optimizer)
+    # fastai's Adam on torch's foreach kernels: the same parameters, 1.4-1.6x the training img/s on the H200 (04b_optimizer)
     learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy, opt_func=ForeachAdam)
     timer = train_timer(warmup)
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from PIL import Image
 from .core import *
 from .formats import *
 import numpy as np
-from .sources import jpeg_ends
+from .formats import jpeg_ends
 
 # %% auto #0
 __all__ = ['BACKGROUND_MIN', 'DaliReadError', 'DaliPythonError', 'read_error_msg', 'pil_problem', 'dali_read_error',

@@ -12,6 +12,7 @@ import numpy as np
 from fastcore.basics import patch
 from fastcore.foundation import L
 from fastai.data.transforms import image_extensions
+from .dirs import cache_home
 
 # %% auto #0
 __all__ = ['FolderIndex', 'index_file', 'image_files', 'grandparent_splits']
@@ -84,10 +85,6 @@ class FolderIndex:
 # %% ../nbs/03h_folders.ipynb #59ae7cfa
 _FORMAT = 2
 
-def _cache_home():
-    "Where indexes go unless told: `$XDG_CACHE_HOME` (or `~/.cache`)/fastai_dali/folders"
-    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'fastai_dali'/'folders'
-
 def _joined(strs): return np.frombuffer('\0'.join(strs).encode('utf-8', 'surrogateescape'), np.uint8)
 def _split(a): return a.tobytes().decode('utf-8', 'surrogateescape').split('\0') if len(a) else []
 
@@ -99,7 +96,7 @@ def _index_key(path, folders):
 def index_file(path, folders=None, cache_dir=None) -> Path:
     "Where the index of the walk of `path` (with `folders`) is kept"
     key,top = _index_key(path, folders),os.path.realpath(path)
-    return Path(cache_dir or _cache_home())/f"{os.path.basename(top) or 'root'}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
+    return Path(cache_dir or cache_home('folders'))/f"{os.path.basename(top) or 'root'}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
 
 def _fuse(path, table='/proc/self/mounts') -> bool:
     "Whether `path` is on a FUSE mount (Linux's mount `table`), where a folder's time may not move when its files change (object stores)"

@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 # %% auto #0
-__all__ = ['JPEG_EXTS', 'dali_decodes', 'file_decodes', 'pil_png']
+__all__ = ['JPEG_EXTS', 'dali_decodes', 'jpeg_ends', 'file_decodes', 'pil_png']
 
 # %% ../nbs/03a_formats.ipynb #c004
 def dali_decodes(head:bytes, open_image=None):
@@ -23,6 +23,11 @@ def dali_decodes(head:bytes, open_image=None):
             with open_image() as im: return im.mode in ('RGB', 'RGBA', 'L') and set(im.tag_v2.get(258, (8,))) == {8}
         except Exception: return False
     return False
+
+# %% ../nbs/03a_formats.ipynb #f7a1c0de
+def jpeg_ends(tail:bytes):
+    "Whether the last bytes of a JPEG end with its end-of-image marker (trailing padding allowed)"
+    return tail.rstrip(b'\x00\r\n\t ').endswith(b'\xff\xd9')
 
 # %% ../nbs/03a_formats.ipynb #c005
 JPEG_EXTS = ('.jpg', '.jpeg', '.jpe', '.jfif')  # names DALI's reader is trusted with as they are

@@ -4,14 +4,14 @@
 
 # %% ../nbs/02_pipeline.ipynb #c003
 from __future__ import annotations
-import os, shutil, tempfile
+import os, tempfile
 import numpy as np
-from multiprocessing.util import Finalize
 from fastcore.basics import *
 from fastcore.foundation import L
 from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from .core import *
+from .dirs import process_dir
 from .transforms import *
 from .augment import *
 
@@ -148,15 +148,9 @@ def jpeg_ends_node(encoded):
     return fn.cat(head, tail, axis=0)
 
 # %% ../nbs/02_pipeline.ipynb #4960dcf3
-_lists = None
-
 def _lists_folder():
     "This process's folder for `FileList`s, removed when it exits"
-    global _lists
-    if _lists is None:
-        _lists = tempfile.mkdtemp(prefix='fastai_dali_lists_')
-        Finalize(None, shutil.rmtree, args=(_lists, True), exitpriority=0)  # (as `_cached_png`'s: in the process that made it)
-    return _lists
+    return process_dir('fastai_dali_lists_')
 
 def _common_folder(names):
     "The folder every name of `names` is under ('' for relative names with none in common), or None where a `file_list` cannot hold them"

@@ -20,6 +20,7 @@ from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock
 from fastai.data.transforms import RandomSplitter
 from fastai.vision.data import ImageBlock
 from .core import *
+from .dirs import cache_home
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
 from .data import *
 
@@ -219,11 +220,10 @@ def _index_path(tar, cache_dir=None):
     import hashlib
     return Path(cache_dir)/f"{t.stem}-{hashlib.sha1(str(t.resolve()).encode()).hexdigest()[:12]}.idx"
 
-_HOME_CACHE = Path.home()/'.cache'/'fastai_dali'/'shards'  # where an index goes when the shards' folder is read-only
 
 def _load_index(tar, cache_dir):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
-    places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir else [None, _HOME_CACHE])]
+    places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
     for p in places:
         if (ix := ShardIndex.read(tar, p)) is not None: return ix,False
     stale = any(p.with_name(p.name + '.json').exists() for p in places)

@@ -42,10 +42,11 @@ import torch
 from fastai.vision.all import (Resize, Normalize, imagenet_stats, models, DataLoaders, Callback, create_vision_model,
                                RandomResizedCrop, aug_transforms)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.training import CudaGraphCallback, DeviceLossCallback
+from fastai_dali.training import DeviceLossCallback
+from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam, bucket_step
 from functools import partial
-from fastai_dali.step_graph import StepGraphCallback
+from fastai_dali.graphs import StepGraphCallback
 from fastai_dali.demo import make_bench_dataset
 from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
 sys.path.insert(0, os.path.dirname(__file__))

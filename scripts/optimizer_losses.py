@@ -1,4 +1,4 @@
-"""First-epoch losses of `learn.fit_one_cycle` in bf16 with fastai's `Adam` and with `ForeachAdam` (04c_optimizer),
+"""First-epoch losses of `learn.fit_one_cycle` in bf16 with fastai's `Adam` and with `ForeachAdam` (04b_optimizer),
 against the run-to-run noise of fastai's own: the same data order, the same initial weights, the same schedule.
 
     python scripts/optimizer_losses.py OUT [--device cuda] [--n 2000] [--arch resnet18] [--bs 64] [--size 128]
@@ -21,7 +21,7 @@ import torch
 from fastai.vision.all import Resize, Normalize, imagenet_stats, set_seed, models, Callback
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.optimizer import ForeachAdam
-from fastai_dali.training import CudaGraphCallback
+from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.bench import bench_learner, md_table
 from fastai_dali.demo import make_bench_dataset
 

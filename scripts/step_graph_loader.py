@@ -212,7 +212,7 @@ def one(out, arch, root, name):
     import torch
     from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders
     from fastai_dali.data import DaliDataLoaders
-    from fastai_dali.step_graph import StepGraphCallback
+    from fastai_dali.graphs import StepGraphCallback
     from fastai_dali.training import DeviceLossCallback
     from fastai_dali.optimizer import ForeachAdam
     from fastai_dali.bench.training import bench_learner, train_timer, SyntheticDL

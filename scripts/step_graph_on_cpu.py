@@ -5,7 +5,7 @@ import sys, torch, tempfile
 sys.path.insert(0, 'tests')
 from _pytest.monkeypatch import MonkeyPatch
 torch.nn.Module.cuda = lambda self, *a, **k: self
-import fastai_dali.step_graph as SG
+import fastai_dali.graphs as SG
 class Replayed:
     def __init__(self, step): self.step,self.rec = step,None
     def replay(self):

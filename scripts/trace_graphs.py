@@ -11,7 +11,8 @@ from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoa
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.demo import make_bench_dataset
 from fastai_dali.bench.training import fit_trace, SyntheticDL
-from fastai_dali.training import DeviceLossCallback, CudaGraphCallback
+from fastai_dali.training import DeviceLossCallback
+from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam
 
 def main(out, root='/tmp/bt/data_10000'):

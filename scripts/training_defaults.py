@@ -12,7 +12,8 @@ Writes OUT/training_defaults.json and prints a markdown table per arch, ratios t
 import json, sys, time
 from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders, ImageDataLoaders
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.training import DeviceLossCallback, CudaGraphCallback
+from fastai_dali.training import DeviceLossCallback
+from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam
 from fastai_dali.demo import make_bench_dataset
 from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, fit_rounds, SyntheticDL, ROW_FAST, ROW_DEFAULT, ROW_PLAIN_GRAPHS

@@ -319,11 +319,11 @@ def test_converted_file_not_blamed(tmp_path):
 def test_same_file_converted_twice_at_once(monkeypatch):
     "Repeated items that need PIL (e.g. an oversampled DataFrame): converted by several threads at once, no error, one file, in the process's one folder (which the threads make: once)"
     import tempfile
-    from fastai_dali import items
+    from fastai_dali import dirs
     from fastai_dali.items import dali_files
     d = Path(tempfile.mkdtemp()); f = d/'a.gif'; Image.fromarray(photo()).save(f)
     for _ in range(5):
-        monkeypatch.setattr(items, '_png_dir', None)   # (as in a new process: whatever the tests before made)
+        monkeypatch.setattr(dirs, '_process_dirs', {})   # (as in a new process: whatever the tests before made)
         with pytest.warns(UserWarning, match='decoded by PIL'): out = dali_files([f]*16, num_threads=8)
         assert len(set(out)) == 1 and Path(out[0]).suffix == '.png' and Path(out[0]).exists()
 

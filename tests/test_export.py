@@ -27,8 +27,8 @@ from fastai.vision.all import (Resize, DataBlock, ImageBlock, PointBlock, ColRea
                                SigmoidRange, MSELossFlat, vision_learner, resnet18, load_learner, set_seed)
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.loader import DaliDL
-from fastai_dali.training import CudaGraphCallback, ForeachTwin, DeviceLossCallback
-from fastai_dali.step_graph import StepGraphCallback
+from fastai_dali.training import ForeachTwin, DeviceLossCallback
+from fastai_dali.graphs import StepGraphCallback, CudaGraphCallback
 
 from conftest import DEVICE, FASTAI_PRED_ATOL as PARITY, make_noise_folder
 

@@ -1,4 +1,4 @@
-"""`ForeachAdam` / `ForeachSGD` (04c_optimizer) with `DaliDataLoaders`, as a user trains: the same parameters as fastai's
+"""`ForeachAdam` / `ForeachSGD` (04b_optimizer) with `DaliDataLoaders`, as a user trains: the same parameters as fastai's
 own optimizer after `fine_tune` of a `vision_learner` (frozen body with `train_bn`, then unfrozen, discriminative rates),
 and `learn.export` / `load_learner` / `predict` with the optimizer's `opt_func` given by name (the fast path's twin of fastai's
 optimizer pickles as fastai's: test_export.py).

@@ -1,6 +1,6 @@
 """`StepGraphCallback` on a GPU: the whole training step (forward, loss, backward, fastai's optimizer step) captured as
 one CUDA graph and replayed, in fastai's `fit` over `DaliDataLoaders` (the CPU checks, with a stand-in for the
-graph, are in nbs/04e_step_graph.ipynb).
+graph, are in nbs/04e_graphs.ipynb).
 
 - the same records, predictions and weights as fastai's own step, no farther than fastai's own spread (how far torch's
   AdamW through fastai's `OptimWrapper` ends from fastai's `Adam`: the same formulas, rounded otherwise; the rule of the
@@ -19,10 +19,10 @@ from fastai.vision.all import Learner, Callback, Resize, Normalize, imagenet_sta
 from fastai.callback.schedule import *  # fine_tune, lr_find
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.optimizer import ForeachAdam
-from fastai_dali.step_graph import StepGraphCallback
+from fastai_dali.graphs import StepGraphCallback
 from conftest import is_sync_warning, DEVICE, make_id_folder
 
-pytestmark = pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU checks are in nbs/04e_step_graph.ipynb)')
+pytestmark = pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU checks are in nbs/04e_graphs.ipynb)')
 
 @pytest.fixture(scope='module')
 def id_root(tmp_path_factory): return make_id_folder(tmp_path_factory.mktemp('ids'))

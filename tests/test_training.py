@@ -17,7 +17,8 @@ import fastai.learner
 from fastai.vision.all import Learner, Callback, Resize, Normalize, imagenet_stats
 from fastai.callback.core import CancelEpochException
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.training import DeviceLossCallback, DeviceSmoothLoss, CudaGraphCallback
+from fastai_dali.training import DeviceLossCallback, DeviceSmoothLoss
+from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam
 from conftest import is_sync_warning, DEVICE, make_id_folder, IdNet, IdLoss
 
@@ -161,7 +162,7 @@ def graphs_run(root, lr, graphs):
     preds,_ = learn.get_preds()
     return learn, losses, values, preds.cpu(), torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
 
-@pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU case is in nbs/04b_training.ipynb)')
+@pytest.mark.skipif(DEVICE == 'cpu', reason='CUDA graphs need a GPU: the GPU suite runs this (the CPU case is in nbs/04c_training.ipynb)')
 def test_cuda_graphs_train_as_the_compiled_model(id_root, tmp_path, monkeypatch):
     """fastai's `fit` with training batches replayed as CUDA graphs: the records, predictions and weights of the same
     compiled model run without graphs (mode 'default', its kernels launched one by one), no farther from it than

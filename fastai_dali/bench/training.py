@@ -35,8 +35,7 @@ from fastai.callback.core import Callback, CancelValidException
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.vision.learner import create_vision_model
-from ..training import CudaGraphCallback
-from ..step_graph import StepGraphCallback
+from ..graphs import StepGraphCallback, CudaGraphCallback
 
 class SyntheticDL(DataLoader):
     "`n_batches` copies of one random batch already on `device`: the data-loading-free ceiling"
