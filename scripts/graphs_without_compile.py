@@ -37,7 +37,7 @@ compiled, with fastai's Adam), `StepGraphCallback`'s fit on synthetic batches, a
 
 Writes OUT/graphs_without_compile.json, the traces OUT/trace_*.json.gz, and prints a markdown table per arch.
 """
-import json, os, sys, time, traceback
+import json, os, sys, time, traceback, tempfile
 import torch
 from fastai.vision.all import (Resize, Normalize, imagenet_stats, models, DataLoaders, Callback, create_vision_model,
                                RandomResizedCrop, aug_transforms)
@@ -220,7 +220,7 @@ def one_row(out, a, k, root, epochs=3):
     r['CUDA_DEVICE_MAX_CONNECTIONS'] = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')   # (in force: fastai_dali sets 32 unless set)
     print(json.dumps(r), flush=True)
 
-def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000', traces='1', rows=None):
+def main(out, archs='resnet18,resnet50', root=os.path.join(tempfile.gettempdir(), 'bt/data_10000'), traces='1', rows=None):
     "Each row (and for resnet18 each trace) in a process of its own: a crash (a capture that fails) costs that row only"
     import subprocess
     make_bench_dataset(root, 10000)

@@ -5,12 +5,12 @@ img/s of `DaliDataLoaders` with each (10,000 JPEGs, `Resize(224)`, bs 128, 5 rou
 
     python scripts/host_memory_padding.py OUT [SCALE_ROOT] [ROOT]     (a GPU)
 """
-import json, sys
+import json, sys, os, tempfile
 from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_markdown
 from fastai_dali.bench.core import bench_loaders, results_markdown
 from fastai_dali.demo import make_bench_dataset
 
-def main(out, scale_root='/tmp/scale_1280000', root='/tmp/bt/data_10000'):
+def main(out, scale_root=os.path.join(tempfile.gettempdir(), 'scale_1280000'), root=os.path.join(tempfile.gettempdir(), 'bt/data_10000')):
     from fastai.vision.all import Resize, Normalize, imagenet_stats
     from fastai_dali.data import DaliDataLoaders
     make_scale_folder(scale_root, 1_280_000, 1000); make_bench_dataset(root, 10000)

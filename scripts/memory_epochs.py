@@ -17,7 +17,7 @@ Scenarios: `files` (DALI's file reader), `bytes` (a `get_x` returning the encode
 from another thread), as earlier tests in a pytest session do, to show how glibc's state before the run (its dynamic
 mmap threshold, the free memory it keeps) changes the RSS curve while the memory the program holds does not change.
 """
-import argparse, ctypes, collections, gc, json, os, re, sys, threading, time, tracemalloc, warnings
+import argparse, ctypes, collections, gc, json, os, re, sys, threading, time, tracemalloc, warnings, tempfile
 from pathlib import Path
 
 warnings.filterwarnings('ignore')
@@ -192,7 +192,7 @@ def main():
     p.add_argument('--no-tracemalloc', dest='tracemalloc', action='store_false')
     p.add_argument('--frames', type=int, default=6, help="tracemalloc frames kept per allocation")
     p.add_argument('--every', type=int, default=10, help="count objects by type every this many epochs")
-    p.add_argument('--out', default='/tmp/memory_epochs')
+    p.add_argument('--out', default=os.path.join(tempfile.gettempdir(), 'memory_epochs'))
     a = p.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     path = make_image_folder(out/'data', n_train=a.n_train, n_valid=a.n_valid)

@@ -23,7 +23,7 @@ ImageDataLoaders in the same run. The rows are `fastai_dali.bench.scale`'s; `fas
 them in the bench (with `get_image_files` alone and a second open of the folder), this script with a trace per loader.
 """
 
-import argparse, os, time
+import argparse, os, time, tempfile
 from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_markdown, scale_process
 
 
@@ -36,7 +36,7 @@ def main():
     p.add_argument('--shards', type=int, help='samples a shard: add the from_shards rows (shards written once, timed)')
     p.add_argument('--mixed', action='store_true', help="add the row of a get_x giving each file's bytes")
     a = p.parse_args()
-    root = a.root or f'/tmp/scale_{a.n}'
+    root = a.root or os.path.join(tempfile.gettempdir(), f'scale_{a.n}')
     kw = dict(device=a.device, workers=a.workers, bs=a.bs, trace=a.trace)
     if a.one: return scale_process(a.one, root, **kw)
     t = time.perf_counter(); make_scale_folder(root, a.n, a.classes); print(f'folder {root}: {time.perf_counter()-t:.1f} s')

@@ -6,7 +6,7 @@ phase of fastai's loop) to OUT/trace_graphs.json, the graphed runs' chrome trace
 
     python scripts/trace_graphs.py OUT [ROOT]     (a GPU; ROOT: `make_bench_dataset`'s 10,000 JPEGs)
 """
-import json, sys
+import json, sys, os, tempfile
 from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.demo import make_bench_dataset
@@ -15,7 +15,7 @@ from fastai_dali.training import DeviceLossCallback
 from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam
 
-def main(out, root='/tmp/bt/data_10000'):
+def main(out, root=os.path.join(tempfile.gettempdir(), 'bt/data_10000')):
     make_bench_dataset(root, 10000)
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device='cuda')
     dls = DaliDataLoaders.from_folder(root, **kw)

@@ -9,7 +9,7 @@ epoch, then 2 rounds), random init, bf16, channels_last, bs 128, 224 px, 10,000 
 
 Writes OUT/training_defaults.json and prints a markdown table per arch, ratios to fastai's own loop.
 """
-import json, sys, time
+import json, sys, time, os, tempfile
 from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders, ImageDataLoaders
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import DeviceLossCallback
@@ -20,7 +20,7 @@ from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, fit_rounds
 
 OWN = "DaliDataLoaders, fastai's own loop (dls.fast_path=False)"
 
-def main(out, archs='resnet18,resnet50', root='/tmp/bt/data_10000'):
+def main(out, archs='resnet18,resnet50', root=os.path.join(tempfile.gettempdir(), 'bt/data_10000')):
     make_bench_dataset(root, 10000)
     kw = dict(item_tfms=Resize(224), batch_tfms=Normalize.from_stats(*imagenet_stats), bs=128, device='cuda')
     dls = DaliDataLoaders.from_folder(root, **kw)
