@@ -237,15 +237,18 @@ def test_worker_processes(id_shards):
     px,_,sizes = epoch_ids(dls.train)
     assert len(px) == 28 and len(set(px)) == 28 and set(px) <= set(range(30))   # drop_last: 7 full batches of 30
 
-def test_shards_command(tmp_path, capsys):
-    "`fastai-dali shards FOLDER OUT --per-shard N`, as a user runs it; a missing folder: its message and exit status 2"
+@pytest.mark.parametrize('command', ['fastai-dali-shards', 'fastai-dali shards'])
+def test_shards_command(tmp_path, capsys, command):
+    "`fastai-dali-shards FOLDER OUT --per-shard N` (and the same through `fastai-dali shards`), as the console command calls it; a missing folder: its message and exit status 2"
     from fastai_dali.bench import cli
+    from fastai_dali.shards import shards_main
     from fastai_dali.demo import make_image_folder
+    run = shards_main if command == 'fastai-dali-shards' else (lambda args: cli(['shards', *args]))
     src = make_image_folder(tmp_path/'photos', n_train=3, n_valid=2, classes=('coffee', 'rocket'))
-    cli(['shards', str(src), str(tmp_path/'out'), '--per-shard', '4'])
+    assert run([str(src), str(tmp_path/'out'), '--per-shard', '4']) is None   # (a console script exits 0 on None)
     assert 'train: 2 shard(s), valid: 1 shard(s)' in capsys.readouterr().out
     assert json.loads((tmp_path/'out'/'vocab.json').read_text()) == ['coffee', 'rocket']
-    with pytest.raises(SystemExit) as e: cli(['shards', str(tmp_path/'nope'), str(tmp_path/'out2')])
+    with pytest.raises(SystemExit) as e: run([str(tmp_path/'nope'), str(tmp_path/'out2')])
     assert e.value.code == 2 and 'does not exist' in capsys.readouterr().err
 
 def test_skip_unreadable_in_shards(tmp_path):

@@ -186,3 +186,12 @@ def test_ci_runs_the_tests_on_a_users_install():
     ci = (ROOT/'.ci'/'run').read_text()
     user = ci[ci.index('pip install -q -e ".[cuda120,test]"'):]
     assert 'pytest -q tests' in user and 'dev' not in user.split('\n')[0], user[:300]
+
+def test_shards_command_as_installed(tmp_path):
+    "`fastai-dali-shards`, the shard writer's own console command (settings.ini's console_scripts), as a user runs it"
+    from fastai_dali.demo import make_image_folder
+    src = make_image_folder(tmp_path/'photos', n_train=3, n_valid=2, classes=('coffee', 'rocket'))
+    r = run_script('fastai-dali-shards', str(src), str(tmp_path/'out'), '--per-shard', '4', cwd=tmp_path)
+    assert r.returncode == 0 and 'train: 2 shard(s), valid: 1 shard(s)' in r.stdout, r.stderr[-2000:]
+    r = run_script('fastai-dali-shards', str(tmp_path/'nope'), str(tmp_path/'o'), cwd=tmp_path)
+    assert r.returncode == 2 and 'does not exist' in r.stderr and 'Traceback' not in r.stderr

@@ -114,21 +114,15 @@ def cli(argv=None):
     g.add_argument('--epochs', type=int, default=2); g.add_argument('--batches', type=int, default=30, help='of the loader timing')
     g.add_argument('--out', default='fastai_dali_bench_gpus')
     sub.add_parser('demo', help='train a small model on generated data with DaliDataLoaders')
-    s = sub.add_parser('shards', help='write an ImageNet-style folder as WebDataset tar shards (fastai_dali.shards.write_shards)')
-    s.add_argument('folder', help='an ImageNet-style folder (train/, valid/)'); s.add_argument('out', help='where the shards go')
-    s.add_argument('--per-shard', type=int, default=1000, help='samples per tar (default: %(default)s)')
-    s.add_argument('--train', default='train'); s.add_argument('--valid', default='valid')
+    sub.add_parser('shards', help='the same as `fastai-dali-shards` (write a folder as WebDataset tar shards), which --help explains')
     a,rest = ap.parse_known_args(argv)
     if a.cmd == 'demo':  # the demo's own options (see `fastai-dali-demo --help`) pass through
         from fastai_dali.demo import main
         return main(rest)
+    if a.cmd == 'shards':  # the shard writer's own command (`fastai-dali-shards`), its options passed through
+        from fastai_dali.shards import shards_main
+        return shards_main(rest)
     if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
-    if a.cmd == 'shards':
-        from fastai_dali.shards import write_shards
-        try: res = write_shards(a.folder, a.out, per_shard=a.per_shard, train=a.train, valid=a.valid)
-        except (OSError, ValueError) as e: ap.error(f'shards: {e}')  # (a bad folder: its message, not a traceback)
-        print(', '.join(f'{k}: {len(v)} shard(s)' for k,v in res.items()) + f', vocab in {Path(a.out)/"vocab.json"}')
-        return
     if a.cmd == 'bench-gpus':
         from fastai_dali.bench_gpus import run_bench_gpus
         run_bench_gpus(a.path, gpus=a.gpus, device=a.device, n=a.n, bs=a.bs, size=a.size, arch=a.arch, epochs=a.epochs,
