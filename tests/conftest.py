@@ -238,7 +238,7 @@ def pytest_terminal_summary(terminalreporter, config):
 # ------------------------------------------------------------------ images that carry their item id (exactness tests)
 # `root/{train,valid}/<class>/<id>.png`, 8x8 solid PNGs whose colour encodes the id: the package's own (`bench-gpus`
 # checks exactness with them), valid ids from VALID0, class `cls_of(id)`
-from fastai_dali.bench_gpus import id_folder as make_id_folder, id_tensor, VALID0
+from fastai_dali.bench.gpus import id_folder as make_id_folder, id_tensor, VALID0
 CLS = ('a', 'b', 'c')
 
 def cls_of(i): return CLS[i % 3]

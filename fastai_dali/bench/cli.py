@@ -105,7 +105,7 @@ def cli(argv=None):
     b.add_argument('--scale-root', default=None, help='the scale section: where its folders go (default: the temporary folder)')
     b.add_argument('--scale-epochs', type=int, default=0, help="the scale section: whole epochs after each loader's first batch (ImageDataLoaders: one)")
     g = sub.add_parser('bench-gpus', help='train and time on 1 and on N GPUs (or CPU processes) under fastai\'s distrib_ctx, '
-                       'DaliDataLoaders against ImageDataLoaders, checking every item id (fastai_dali.bench_gpus)')
+                       'DaliDataLoaders against ImageDataLoaders, checking every item id (fastai_dali.bench.gpus)')
     g.add_argument('path', nargs='?', help='an ImageNet-style folder (train/, valid/); default: generate --n JPEGs')
     g.add_argument('--gpus', type=int, default=None, help='processes of the second run (default: every GPU; 2 on the CPU)')
     g.add_argument('--device', default=None, help="'cpu': CPU processes (gloo, DALI's CPU backend); default: the GPUs")
@@ -124,7 +124,7 @@ def cli(argv=None):
         return shards_main(rest)
     if rest: ap.error(f'unrecognized arguments: {" ".join(rest)}')
     if a.cmd == 'bench-gpus':
-        from fastai_dali.bench_gpus import run_bench_gpus
+        from fastai_dali.bench.gpus import run_bench_gpus
         run_bench_gpus(a.path, gpus=a.gpus, device=a.device, n=a.n, bs=a.bs, size=a.size, arch=a.arch, epochs=a.epochs,
                        batches=a.batches, out=a.out)
         return
