@@ -93,7 +93,8 @@ _ZERO = bytes(512)
 def _octal(b): return int(b.split(b'\0', 1)[0].strip() or b'0', 8)
 
 def _ustar_members(tar, tar_size):
-    "`_tarfile_members(tar)` read straight from the 512-byte headers of a plain ustar archive (what `write_shards` and WebDataset's writers make), 4-5x faster; None where a header needs `tarfile` (PAX or GNU extensions, a bad checksum, a member past the end...)"
+    "`_tarfile_members(tar)` read straight from a plain ustar archive's 512-byte headers; None where one needs `tarfile` (PAX or GNU extensions, a bad checksum, ...)"
+    # (what `write_shards` and WebDataset's writers make; 4-5x faster than `tarfile`)
     res,pos = [],0
     with open(tar, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if tar_size else contextlib.nullcontext(b'') as mm:
         while True:
@@ -234,7 +235,9 @@ def _load_index(tar, cache_dir):
     return ix,stale
 
 def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3):
-    "The `ShardIndex` of every shard of `paths` in order, a window of 2 x `num_threads` of them loaded at a time: a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them (their label texts and columns: ~1 GB at a million samples)"
+    "The `ShardIndex` of every shard of `paths` in order, a window of 2 x `num_threads` of them loaded at a time"
+    # (a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them: their label
+    # texts and columns are ~1 GB at a million samples)
     tars = shard_paths(paths)
     n,stale = min(len(tars), num_threads or default_num_threads()),[]
     with ThreadPoolExecutor(n) as ex:

@@ -147,11 +147,11 @@ def compile_works(device='cuda'):
     return None
 
 def fit_rounds(rows:dict, epochs=3, label=None):
-    """`rows`: {name: a zero-argument function making an epoch function (`fit_epochs`, `torch_loop_epochs`)}. Each row
-    trains a first epoch, not timed; then every row one epoch per round, `epochs-1` rounds, so that a slow stretch of the
-    machine falls on all rows alike; each round starts one row later, so that no row always follows the same one (the
-    ImageDataLoaders' workers shutting down, say). Every row's Learner lives until the last round (~3 GB for 10 resnet50
-    rows). With a `label`, a progress bar says it, the round and the row. Returns ({name: median img/s}, {name: img/s of each round})"""
+    "Time `rows` ({name: a function making an epoch function}) in rounds, a warm-up epoch first: ({name: median img/s}, {name: img/s of each round})"
+    # every row one epoch per round, `epochs-1` rounds, so that a slow stretch of the machine falls on all rows alike;
+    # each round starts one row later, so that no row always follows the same one (ImageDataLoaders' workers shutting
+    # down, say); every row's Learner lives until the last round (~3 GB for 10 resnet50 rows); with a `label`, a
+    # progress bar says it, the round and the row
     eps = {k: f() for k,f in rows.items()}
     runs,ks = {k: [] for k in eps},list(eps)
     # first each row's warm-up epoch (round None: cudnn's choice of kernels, the loader's first pipeline), then the rounds
