@@ -47,7 +47,7 @@ from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam, bucket_step
 from functools import partial
 from fastai_dali.graphs import StepGraphCallback
-from fastai_dali.demo import make_bench_dataset
+from fastai_dali.samples import make_bench_dataset
 from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, torch_optimizer, SyntheticDL, ROW_DEFAULT
 sys.path.insert(0, os.path.dirname(__file__))
 from trace_kernel_split import split

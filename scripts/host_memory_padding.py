@@ -8,7 +8,7 @@ img/s of `DaliDataLoaders` with each (10,000 JPEGs, `Resize(224)`, bs 128, 5 rou
 import json, sys, os, tempfile
 from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_markdown
 from fastai_dali.bench.core import bench_loaders, results_markdown
-from fastai_dali.demo import make_bench_dataset
+from fastai_dali.samples import make_bench_dataset
 
 def main(out, scale_root=os.path.join(tempfile.gettempdir(), 'scale_1280000'), root=os.path.join(tempfile.gettempdir(), 'bt/data_10000')):
     from fastai.vision.all import Resize, Normalize, imagenet_stats

@@ -26,7 +26,7 @@ from torch import nn
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, Resize, get_image_files,
                                parent_label, Learner, Callback, CrossEntropyLossFlat)
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.demo import make_image_folder
+from fastai_dali.samples import make_image_folder
 import fastai_dali.lifetime as P
 
 _libc = ctypes.CDLL('libc.so.6')

@@ -23,7 +23,7 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.optimizer import ForeachAdam
 from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.bench import bench_learner, md_table
-from fastai_dali.demo import make_bench_dataset
+from fastai_dali.samples import make_bench_dataset
 
 class BatchLosses(Callback):
     "Each training batch's loss, kept on the device (`losses`, a list of 0-d tensors) and copied once, after the fit"

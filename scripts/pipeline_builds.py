@@ -15,7 +15,7 @@ def rebuild(dl):
 
 def folder(root):
     "64 small JPEGs (20-60 px a side) in two classes, from the package's one sample-data generator"
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     return make_image_folder(root, n_train=24, n_valid=8, classes=('coffee', 'rocket'), min_size=20, max_size=60)
 
 def timed(f, reps=5):

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 from fastai.vision.all import (ImageDataLoaders, RandomResizedCrop, aug_transforms, Normalize, imagenet_stats, set_seed,
                                Saturation, DataBlock, ImageBlock, MaskBlock, GrandparentSplitter, FlipItem, Resize)
 from fastai_dali.all import DaliDataLoaders
-from fastai_dali.demo import make_image_folder
+from fastai_dali.samples import make_image_folder
 
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument('--out', default='docs/images'); ap.add_argument('--device', default='cpu')

@@ -261,7 +261,7 @@ def one(out, arch, root, name):
     print(json.dumps(r), flush=True)
 
 def main(out, arch='resnet18', root='/tmp/bt/data_10000', variants=None):
-    from fastai_dali.demo import make_bench_dataset
+    from fastai_dali.samples import make_bench_dataset
     make_bench_dataset(root, 10000)
     fn = f'{out}/step_graph_loader.json'
     res = json.load(open(fn)) if os.path.exists(fn) else {}

@@ -9,7 +9,7 @@ phase of fastai's loop) to OUT/trace_graphs.json, the graphed runs' chrome trace
 import json, sys, os, tempfile
 from fastai.vision.all import Resize, Normalize, imagenet_stats, models, DataLoaders
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.demo import make_bench_dataset
+from fastai_dali.samples import make_bench_dataset
 from fastai_dali.bench.training import fit_trace, SyntheticDL
 from fastai_dali.training import DeviceLossCallback
 from fastai_dali.graphs import CudaGraphCallback

@@ -15,7 +15,7 @@ from fastai_dali.data import DaliDataLoaders
 from fastai_dali.training import DeviceLossCallback
 from fastai_dali.graphs import CudaGraphCallback
 from fastai_dali.optimizer import ForeachAdam
-from fastai_dali.demo import make_bench_dataset
+from fastai_dali.samples import make_bench_dataset
 from fastai_dali.bench.training import fit_epochs, torch_loop_epochs, fit_rounds, SyntheticDL, ROW_FAST, ROW_DEFAULT, ROW_PLAIN_GRAPHS
 
 OWN = "DaliDataLoaders, fastai's own loop (dls.fast_path=False)"

@@ -36,7 +36,7 @@ ROWS = ('user', 'user_warm', 'no_bar', 'no_valid', 'plain_learner', 'channelslas
 def make_data(root, n=20_000, n_valid=500):
     "The folder: `n` JPEGs of 300-500 x 240-400 px in 6 classes, `n_valid` of them for validation; reused when done"
     from pathlib import Path
-    from fastai_dali.demo import make_image_folder, _photos
+    from fastai_dali.samples import make_image_folder, _photos
     root = Path(root)
     if (root/'done').exists(): return root
     k = len(_photos)

@@ -101,7 +101,7 @@ def save_jpeg(arr, fn, quality=90):
     return fn
 
 def make_noise_folder(root, n_train, n_valid, classes=CLASSES, seed=0, lo=40, hi=160):
-    "ImageNet-style `root/{train,valid}/<class>/*.jpg` of random-noise crops, `n_train`/`n_valid` images per split in all (the classes in turn; `fastai_dali.demo.make_image_folder` makes photo crops, per class)"
+    "ImageNet-style `root/{train,valid}/<class>/*.jpg` of random-noise crops, `n_train`/`n_valid` images per split in all (the classes in turn; `fastai_dali.samples.make_image_folder` makes photo crops, per class)"
     rng,root = np.random.default_rng(seed),Path(root)
     for split,n in (('train', n_train), ('valid', n_valid)):
         for c in classes: (root/split/c).mkdir(parents=True, exist_ok=True)

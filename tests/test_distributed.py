@@ -54,7 +54,7 @@ def test_two_nodes(tmp_path):
 def test_bench_gpus_command(tmp_path):
     "`fastai-dali bench-gpus --device cpu`: 1 and 2 CPU processes, both trained on DALI's batches, every item id exact"
     from fastai_dali.bench.gpus import run_bench_gpus
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     path = make_image_folder(tmp_path/'photos', n_train=16, n_valid=8, classes=('astronaut', 'coffee', 'rocket'))
     res = run_bench_gpus(path, gpus=2, device='cpu', bs=8, size=64, arch='resnet18', epochs=1, batches=2, out=tmp_path/'out')
     s = res['summary']['per_process']

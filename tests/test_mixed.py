@@ -117,7 +117,7 @@ def _script(tmp_path, guarded):
         from pathlib import Path
         from fastai.vision.all import *
         from fastai_dali.all import *
-        from fastai_dali.demo import make_image_folder
+        from fastai_dali.samples import make_image_folder
         def read(f): return Path(f).read_bytes()
         ''')
     script = tmp_path/'train.py'

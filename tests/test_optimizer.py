@@ -12,7 +12,7 @@ import pickle
 import pytest, torch
 from fastai.vision.all import vision_learner, resnet18, Resize, Adam, RAdam, SGD, set_seed, load_learner, accuracy
 from fastai_dali.data import DaliDataLoaders
-from fastai_dali.demo import make_image_folder
+from fastai_dali.samples import make_image_folder
 from fastai_dali.optimizer import ForeachAdam, ForeachRAdam, ForeachSGD, ForeachOptimizer
 from conftest import DEVICE
 

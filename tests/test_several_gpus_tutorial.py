@@ -22,7 +22,7 @@ def tutorial_script():
     raise AssertionError(f"no `script.write_text('''...''')` cell in {NB}")
 
 def test_tutorial_script_learns(tmp_path):
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     script = tmp_path/'train.py'
     script.write_text(tutorial_script())
     spec = importlib.util.spec_from_file_location('several_gpus_train', script)

@@ -114,7 +114,7 @@ def test_learner_in_shard_order(id_shards):
 
 def test_same_pixels_as_the_folder(tmp_path):
     "write_shards of a folder: the same items, order, vocab and batches as ImageDataLoaders on the folder"
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     src = make_image_folder(tmp_path/'photos', n_train=5, n_valid=3, classes=('chelsea', 'coffee', 'rocket'), min_size=37, max_size=71)
     res = write_shards(src, tmp_path/'shards', per_shard=4, progress=False)
     assert [len(v) for v in res.values()] == [4, 3]   # 15 and 9 images: 4 + 3 tars
@@ -242,7 +242,7 @@ def test_shards_command(tmp_path, capsys, command):
     "`fastai-dali-shards FOLDER OUT --per-shard N` (and the same through `fastai-dali shards`), as the console command calls it; a missing folder: its message and exit status 2"
     from fastai_dali.bench import cli
     from fastai_dali.shards import shards_main
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     run = shards_main if command == 'fastai-dali-shards' else (lambda args: cli(['shards', *args]))
     src = make_image_folder(tmp_path/'photos', n_train=3, n_valid=2, classes=('coffee', 'rocket'))
     assert run([str(src), str(tmp_path/'out'), '--per-shard', '4']) is None   # (a console script exits 0 on None)
@@ -270,7 +270,7 @@ def test_top_level_script_writes_and_reads_shards(tmp_path, how):
         from pathlib import Path
         from fastai.vision.all import *
         from fastai_dali.all import *
-        from fastai_dali.demo import make_image_folder
+        from fastai_dali.samples import make_image_folder
         path = make_image_folder(Path({str(tmp_path)!r})/'p', n_train=6, n_valid=2, classes=('coffee', 'rocket'))
         res = write_shards(path, Path({str(tmp_path)!r})/'s', per_shard=2, progress=False, procs=2)
         dls = DaliDataLoaders.from_shards(res['train'], valid=res['valid'], item_tfms=Resize(16), bs=2, device='cpu', py_workers=2)

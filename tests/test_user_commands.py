@@ -95,10 +95,10 @@ def test_bench_sections_are_checked(capsys):
     assert e.value.code == 2 and 'unknown sections speed' in capsys.readouterr().err
     assert {'throughput', 'augment', 'mixed', 'training', 'memory', 'resize', 'parity'} <= set(SECTIONS)
 
-def test_demo_imports_no_bench():
-    # one direction only: `fastai_dali.bench` builds on `fastai_dali.demo` (sample data, timing); the demo needs neither
-    # the bench, nor DALI or fastai at import time
-    code = ('import sys, fastai_dali.demo; '
+def test_samples_import_light():
+    # the sample folders (tests, tutorials, the bench's data, the demo's) come without the bench, DALI or fastai: a bench's
+    # parent process or a test writes its data before anything heavy is imported
+    code = ('import sys, fastai_dali.samples; '
             'print(sorted(m for m in ("fastai_dali.bench", "nvidia.dali", "fastai") if m in sys.modules))')
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=ENV)
     assert (r.returncode, r.stdout.split()) == (0, ['[]']), r.stderr[-3000:]
@@ -112,7 +112,7 @@ _TIMING = '''
 import gc, json, os, sys, tempfile
 from pathlib import Path
 from fastai.vision.all import ImageDataLoaders, Resize, Transform, PILImage
-from fastai_dali.demo import make_image_folder
+from fastai_dali.samples import make_image_folder
 from fastai_dali.bench import bench_loaders
 # what the imports made lives as long as the process: out of the collector's sight, the workers' collection on every item
 # takes milliseconds instead of 0.4-1 s (what they must find, loader `a`'s abandoned passes, is made later)
@@ -189,7 +189,7 @@ def test_ci_runs_the_tests_on_a_users_install():
 
 def test_shards_command_as_installed(tmp_path):
     "`fastai-dali-shards`, the shard writer's own console command (settings.ini's console_scripts), as a user runs it"
-    from fastai_dali.demo import make_image_folder
+    from fastai_dali.samples import make_image_folder
     src = make_image_folder(tmp_path/'photos', n_train=3, n_valid=2, classes=('coffee', 'rocket'))
     r = run_script('fastai-dali-shards', str(src), str(tmp_path/'out'), '--per-shard', '4', cwd=tmp_path)
     assert r.returncode == 0 and 'train: 2 shard(s), valid: 1 shard(s)' in r.stdout, r.stderr[-2000:]

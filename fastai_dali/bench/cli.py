@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 import torch
 from ..core import *
-from ..demo import make_bench_dataset
+from ..samples import make_bench_dataset
 from .core import *
 from .loaders import *
 from .loaders import loader_sections

@@ -10,15 +10,100 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from ..core import *
 from ..lifetime import track_pipeline
 import fastai.callback.progress  # `Learner.no_bar`
-from ..demo import cuda_sync, gpu_memory_mb, time_loader, epoch_timeline, train_timer, make_bench_dataset
+import gc, time, torch
+from contextlib import closing
+from ..samples import make_bench_dataset
 from fastcore.basics import noop
-_all_ = ['gpu_memory_mb', 'time_loader']  # the timing lives in `fastai_dali.demo`; the benchmark's names include it
 
 # %% auto #0
-__all__ = ['ROW_RAW', 'IDL_ROW_RE', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'fit_workers',
+__all__ = ['ROW_RAW', 'IDL_ROW_RE', 'cuda_sync', 'gpu_memory_mb', 'time_loader', 'loader_throughput', 'epoch_timeline',
+           'train_timer', 'raw_dali_pipeline', 'raw_dali_loader', 'Epochs', 'raw_dali_aug_pipeline', 'fit_workers',
            'md_table', 'show_markdown', 'labelled_bar', 'bench_loaders', 'round_ratio', 'compare_loaders',
            'results_markdown', 'bar_chart', 'decode_only_pipeline', 'decode_only_loader', 'workers_name',
-           'fastest_workers', 'gpu_memory_mb', 'time_loader']
+           'fastest_workers']
+
+# %% ../../nbs/07a_bench_core.ipynb #c008
+def cuda_sync():
+    "Wait for the current CUDA device (nothing without CUDA): what a timer does before reading the clock"
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+
+def gpu_memory_mb():
+    "Device memory in use on the current CUDA device by every allocator, in MiB (None without CUDA)"
+    if not torch.cuda.is_available(): return None
+    free,total = torch.cuda.mem_get_info()
+    return (total-free)/2**20
+
+def _epochs(dl, n_batches):
+    "Batches of `dl`, epoch after epoch, until `n_batches` (one epoch if `None`); each epoch's iterator closed when left"
+    i = 0
+    while True:
+        empty,it = True,iter(dl)
+        try:
+            for b in it:
+                empty = False; yield b; i += 1
+                if n_batches and i >= n_batches: return
+        finally:  # a fastai loader's generator: its torch iterator stops its workers now
+            if hasattr(it, 'close'): it.close()
+        if empty or not n_batches: return
+
+def time_loader(dl, max_batches=None, warmup=3, mem_every=5):
+    "Images/s over `max_batches` batches of `dl` (more epochs if needed) after `warmup`; device memory (MiB) every `mem_every` batches"
+    n,t0,mem,m0,total = 0,None,[],gpu_memory_mb(),max_batches and warmup+max_batches
+    with closing(_epochs(dl, total)) as batches:
+        for i,b in enumerate(batches):
+            if i == warmup: cuda_sync(); t0 = time.perf_counter()
+            if i >= warmup: n += len(b[0])
+            if m0 is not None and i % mem_every == 0: mem.append(gpu_memory_mb())
+            if total and i+1 == total: break  # the clock stops before the pass is closed (and its workers shut down)
+        cuda_sync(); t1 = time.perf_counter()
+    gc.collect()  # no iterator of this loader left for the next loader's forked workers to inherit and collect
+    if t0 is None or n == 0: raise ValueError(f"loader too short to time: needs more than warmup={warmup} batches")
+    res = {'img_s': n/(t1-t0)}
+    if mem: res.update(mem_peak_mb=max(mem), mem_steady_mb=statistics.median(mem[1:] or mem), mem_added_mb=max(mem)-m0)
+    return res
+
+def loader_throughput(dl, max_batches=None, warmup=2):
+    "Images per second delivered by iterating `dl` (one epoch, or `max_batches` timed batches over as many epochs as needed)"
+    return time_loader(dl, max_batches=max_batches, warmup=warmup)['img_s']
+
+# %% ../../nbs/07a_bench_core.ipynb #c013f
+def epoch_timeline(dl, epochs=3, skip=3):
+    "Each of `epochs` whole epochs of `dl`: seconds to its first batch, img/s after `skip` batches, img/s overall"
+    res = []
+    for _ in range(epochs):
+        cuda_sync(); t0,ts,ns = time.perf_counter(),[],[]
+        for b in dl:
+            cuda_sync(); ts.append(time.perf_counter()); ns.append(len(b[0]))
+        if len(ts) <= skip+1: raise ValueError(f"epochs too short to time: {len(ts)} batches, needs more than skip+1={skip+1}")
+        res.append(dict(first_batch_s=ts[0]-t0, running_img_s=sum(ns[skip+1:])/(ts[-1]-ts[skip]),
+                        epoch_img_s=sum(ns)/(ts[-1]-t0), batches=len(ts)))
+    return res
+
+# %% ../../nbs/07a_bench_core.ipynb #b7t0
+def train_timer(warmup=0, validate=True):
+    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs); `validate=False` skips validation"
+    from fastai.callback.core import Callback, CancelValidException  # here, so that importing this module does not import fastai
+    class TrainTimer(Callback):
+        order = 100  # after the other callbacks' `after_batch`
+        def before_fit(self): self.runs,self.n_all,self.t_all = [],0,0.
+        def _start(self): cuda_sync(); self.t0 = time.perf_counter()
+        def before_train(self):
+            self.i,self.t0,self.n,self.secs = 0,None,0,None
+            if warmup == 0: self._start()
+        def after_batch(self):
+            if not self.training: return
+            self.i += 1
+            if self.i == warmup: self._start()
+            elif self.i > warmup: self.n += len(self.xb[0])
+        def after_train(self):
+            if self.t0 is None or self.i <= warmup: return
+            cuda_sync(); self.secs = time.perf_counter()-self.t0
+            self.runs.append(self.n/self.secs); self.n_all += self.n; self.t_all += self.secs
+        def before_validate(self):
+            if not validate: raise CancelValidException()
+        @property
+        def img_s(self): return self.n_all/self.t_all if self.n_all else None
+    return TrainTimer()
 
 # %% ../../nbs/07a_bench_core.ipynb #c004
 def _read_decode_resize(files, labels, size, shuffle):

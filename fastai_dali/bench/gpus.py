@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np, torch
 from PIL import Image
 from ..core import *
-from ..demo import cuda_sync, make_image_folder, make_bench_dataset, scratch_dir, train_timer
+from ..samples import make_image_folder, make_bench_dataset, scratch_dir
+from .core import cuda_sync, train_timer
 
 # %% auto #0
 __all__ = ['VALID0', 'id_folder', 'id_tensor', 'batch_ids', 'worker', 'summarize', 'run_bench_gpus', 'summary_markdown', 'main']

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time, statistics, gc
 import torch
 from ..core import *
-from ..demo import epoch_timeline
+from .core import epoch_timeline
 from .core import *
 from .core import ROW_RAW, workers_name, read_file_bytes
 

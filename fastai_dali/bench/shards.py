@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 import torch
 from ..core import *
-from ..demo import epoch_timeline
+from .core import epoch_timeline
 from .core import *
 from .core import workers_name
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, time, statistics, gc, os, re, sys, tempfile
 from pathlib import Path
 import torch
-from ..demo import cuda_sync, gpu_memory_mb, train_timer
+from .core import cuda_sync, gpu_memory_mb, train_timer
 from .core import workers_name, labelled_bar
 
 # %% auto #0
