@@ -72,6 +72,24 @@ def _averages(self:ForeachOptimizer, ps, states, name, mom, damp, sqr=False):
     else: torch._foreach_add_(avgs, grads, alpha=damp)
     return avgs
 
+# %% ../nbs/04b_optimizer.ipynb #b0c5e7a1
+@patch
+def _bucket_numbers(self:ForeachOptimizer, hyper, step):
+    "The numbers of one group's tensors at step count `step` (after this step), in `_NUMBERS`' order"
+    lr,wd = hyper['lr'],hyper['wd']
+    decay,l2 = (1 - lr*wd, 0.) if self.decouple_wd else (1., wd)
+    if self.steppers == 'sgd':
+        return (decay, l2, hyper['mom'] if self.momentum else 0., 1., 0., 0., 1., 0., -lr, 0.)
+    mom,sqr_mom,eps = hyper['mom'],hyper['sqr_mom'],hyper['eps']
+    debias1,debias2 = debias(mom, 1-mom, step),debias(sqr_mom, 1-sqr_mom, step)
+    grad_step,avg_step = -lr/debias1,0.
+    if self.steppers == 'radam':
+        r_inf = 2/(1-sqr_mom) - 1
+        r = r_inf - 2*step*sqr_mom**step/(1-sqr_mom**step)
+        if r <= 5: grad_step,avg_step,eps = 0.,-lr/debias1,1.   # (too few steps for the variance: a momentum step; eps 1: no 0/0)
+        else: grad_step = -lr*math.sqrt(((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r))/debias1
+    return (decay, l2, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps or 0., grad_step, avg_step)
+
 # %% ../nbs/04b_optimizer.ipynb #c007
 @patch
 def _moments(self:ForeachOptimizer, hyper, ps, states):
@@ -93,32 +111,28 @@ def _moments(self:ForeachOptimizer, hyper, ps, states):
 
 @patch
 def _adam(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `Adam` steppers: `_moments`, then `adam_step`"
-    lr,mom,sqr_mom,eps = hyper['lr'],hyper['mom'],hyper['sqr_mom'],hyper['eps']
+    "fastai's `Adam` steppers: `_moments`, then `adam_step`, with the numbers of each step count from `_bucket_numbers` (below)"
     for step,q,g,b in self._moments(hyper, ps, states):
-        torch._foreach_div_(b, debias(sqr_mom, 1-sqr_mom, step))
+        *_,debias2,eps,grad_step,_ = self._bucket_numbers(hyper, step)
+        torch._foreach_div_(b, debias2)
         torch._foreach_sqrt_(b)
         torch._foreach_add_(b, eps)
-        torch._foreach_addcdiv_(q, g, b, value=-lr/debias(mom, 1-mom, step))
+        torch._foreach_addcdiv_(q, g, b, value=grad_step)
 
 @patch
 def _radam(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `RAdam` steppers: `_moments`, then `radam_step` (its rectification `r` and `v` are numbers of the step count)"
-    lr,mom,sqr_mom,eps,beta = hyper['lr'],hyper['mom'],hyper['sqr_mom'],hyper['eps'],hyper['beta']
+    "fastai's `RAdam` steppers: `_moments`, then `radam_step`, its rectification in `_bucket_numbers` (below)"
     for step,q,g,b in self._moments(hyper, ps, states):
-        debias1,debias2 = debias(mom, 1-mom, step),debias(sqr_mom, 1-sqr_mom, step)
-        r_inf = 2/(1-sqr_mom) - 1
-        r = r_inf - 2*step*sqr_mom**step/(1-sqr_mom**step)
-        if r <= 5:  # too few steps for the variance: a momentum step
-            torch._foreach_add_(q, g, alpha=-lr / debias1)
+        *_,debias2,eps,grad_step,avg_step = self._bucket_numbers(hyper, step)
+        if avg_step:  # too few steps for the variance: a momentum step
+            torch._foreach_add_(q, g, alpha=avg_step)
             continue
-        v = math.sqrt(((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r))
         torch._foreach_div_(b, debias2)
         torch._foreach_sqrt_(b)
         if eps: torch._foreach_add_(b, eps)
-        if beta:  # SAdam: no foreach softplus (a tensor at a time, as fastai)
-            for o in b: o.copy_(F.softplus(o, beta))
-        torch._foreach_addcdiv_(q, g, b, value=-lr*v / debias1)
+        if hyper['beta']:  # SAdam: no foreach softplus (a tensor at a time, as fastai)
+            for o in b: o.copy_(F.softplus(o, hyper['beta']))
+        torch._foreach_addcdiv_(q, g, b, value=grad_step)
 
 @patch
 def _buf(self:ForeachOptimizer, p):
@@ -167,23 +181,6 @@ def plan_key(self:ForeachOptimizer, plan=None):
     return tuple((g, tuple(id(p) for p in q)) for g,q,_,_ in (self._plan() if plan is None else plan))
 
 # %% ../nbs/04b_optimizer.ipynb #c1d4a7fc
-@patch
-def _bucket_numbers(self:ForeachOptimizer, hyper, step):
-    "The numbers of one group's tensors at step count `step` (after this step), in `_NUMBERS`' order"
-    lr,wd = hyper['lr'],hyper['wd']
-    decay,l2 = (1 - lr*wd, 0.) if self.decouple_wd else (1., wd)
-    if self.steppers == 'sgd':
-        return (decay, l2, hyper['mom'] if self.momentum else 0., 1., 0., 0., 1., 0., -lr, 0.)
-    mom,sqr_mom,eps = hyper['mom'],hyper['sqr_mom'],hyper['eps']
-    debias1,debias2 = debias(mom, 1-mom, step),debias(sqr_mom, 1-sqr_mom, step)
-    grad_step,avg_step = -lr/debias1,0.
-    if self.steppers == 'radam':
-        r_inf = 2/(1-sqr_mom) - 1
-        r = r_inf - 2*step*sqr_mom**step/(1-sqr_mom**step)
-        if r <= 5: grad_step,avg_step,eps = 0.,-lr/debias1,1.   # (too few steps for the variance: a momentum step; eps 1: no 0/0)
-        else: grad_step = -lr*math.sqrt(((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r))/debias1
-    return (decay, l2, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps or 0., grad_step, avg_step)
-
 @patch
 @torch.no_grad()
 def device_numbers(self:ForeachOptimizer, plan=None):
