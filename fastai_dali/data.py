@@ -147,7 +147,9 @@ class DaliDataLoaders(DataLoaders):
     @gc_paused()   # (a million items: see `gc_paused`, 00_core)
     def from_dblock(cls, dblock:DataBlock, source, path='.', bs:int=64, val_bs:int=None, shuffle:bool=True,
                     device=None, on_error:str='raise', cache_dir=None, **kwargs):
-        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would; `on_error='skip'` leaves unreadable images out; a `get_items` that is fastai's `get_image_files` keeps its walk of a large folder in `cache_dir` (`image_files`; False: none)"
+        "Create `DaliDataLoaders` from `dblock` on `source`, as `DataBlock.dataloaders` would"
+        # (`on_error='skip'` leaves unreadable images out; a `get_items` that is fastai's `get_image_files` keeps its walk of a
+        # large folder in `cache_dir`: `image_files`; False: none)
         # `bs` is checked by `DaliDL`, which fastai builds with `bs` for training and `val_bs` (named here) for validation
         if val_bs is not None and int(val_bs) < 1: raise ValueError(f"val_bs={val_bs!r}: must be an integer >= 1")
         if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
@@ -166,7 +168,8 @@ class DaliDataLoaders(DataLoaders):
         return res
 
     def new_empty(self):
-        "What `learn.export` keeps: fastai's own `DataLoaders` of `TfmdDL`s, as `ImageDataLoaders` would export, so that `load_learner` needs fastai alone (the datasets emptied, the same transforms, vocab and device)"
+        "What `learn.export` keeps: fastai's own `DataLoaders` of `TfmdDL`s, so that `load_learner` needs fastai alone"
+        # (as `ImageDataLoaders` would export: the datasets emptied, the same transforms, vocab and device)
         # `num_workers=None`: fastai's default for its loaders (a DaliDL has none: DALI's threads do the work)
         return DataLoaders(*[dl.new(dl.dataset.new_empty(), cls=TfmdDL, num_workers=None) for dl in self.loaders],
                            path=self.path, device=self.device)
@@ -182,7 +185,8 @@ class DaliDataLoaders(DataLoaders):
 @gc_paused()
 def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_pct=None, seed=None, vocab=None,
                 item_tfms=None, batch_tfms=None, img_cls=PILImage, cache_dir=None, **kwargs):
-    "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`); the walk of a large folder is kept in `cache_dir` for the next open (`image_files`; False: not kept)"
+    "Create from an ImageNet-style dataset in `path` with `train` and `valid` subfolders (or provide `valid_pct`)"
+    # (the walk of a large folder is kept in `cache_dir` for the next open: `image_files`; False: not kept)
     check_image_folder(path, None if valid_pct else [train, valid])
     items = image_files(path, None if valid_pct else [train, valid], cache_dir)
     splits = RandomSplitter(valid_pct, seed=seed)(items) if valid_pct else grandparent_splits(items, train, valid)

@@ -135,7 +135,9 @@ def load(cls:FolderIndex, fn, key:str):
 
 # %% ../nbs/03h_folders.ipynb #bf7e03ef
 def image_files(path, folders=None, cache_dir=None):
-    "fastai's `get_image_files(path, folders=folders)`: the same `Path`s in the same order, each holding its string already (see `_named_path`); read from the index of an earlier walk where no folder changed since (`FolderIndex`; `cache_dir=False`: none)"
+    "fastai's `get_image_files(path, folders=folders)`: the same `Path`s in the same order, the walk kept for the next open"
+    # (each `Path` holding its string already, `_named_path`; read from the index of an earlier walk where no folder changed
+    # since, `FolderIndex`; `cache_dir=False`: none kept)
     if cache_dir is False: return FolderIndex.walk(path, folders).items(path)
     fn,key = index_file(path, folders, cache_dir),_index_key(path, folders)
     ix = FolderIndex.load(fn, key)

@@ -136,7 +136,9 @@ def _own_copy(f):
     return FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 class StepGraphCallback(PickledAsFastai, Callback):
-    "Each training batch's forward, loss, backward and optimizer step (`ForeachOptimizer.device_step`) as one CUDA graph, captured after `warmup` batches run as it runs them and replayed while its `StepKey` holds (from fit to fit); the model's kernels `torch.compile`'s when `compile`, the optimizer's foreach ops (`bucket_step`) when `compile_opt` (None: as `compile`)"
+    "Each training batch's forward, loss, backward and optimizer step as one CUDA graph, captured after `warmup` batches and replayed"
+    # (replayed while its `StepKey` holds, from fit to fit; the model's kernels `torch.compile`d when `compile`, the optimizer's
+    # foreach ops, `bucket_step`, when `compile_opt`: None follows `compile`)
     order = 12  # (fastai's `MixedPrecision` is 10)
     _stateattrs = ('graph','module','eager','stream','params','mods','bucket')  # a graph, a compiled function or module, a stream are not pickled (`learn.export`)
     def __init__(self, compile:bool=True, warmup:int=3, compile_opt:bool|None=None):

@@ -50,7 +50,8 @@ class TarSample:
     def dali_pack(cls, samples): return TarSamples(samples)
 
 class TarSamples:
-    "`TarSample`s as columns, as DALI's worker processes each receive them (`PythonSource`): the shards' paths once, and per sample its shard's number, offset, size, key and extension (~30 bytes, not a few hundred)"
+    "`TarSample`s as columns, as DALI's worker processes each receive them: the shards' paths once, a few numbers per sample"
+    # (per sample its shard's number, offset, size, key and extension: ~30 bytes, not a few hundred; `PythonSource`)
     def __init__(self, samples):
         n,col = len(samples),lambda a: list(map(attrgetter(a), samples))   # (`map`: no Python loop of ours per sample)
         codes = lambda vs: (list(d := {v:i for i,v in enumerate(dict.fromkeys(vs))}), map(d.__getitem__, vs))
@@ -290,7 +291,8 @@ class ShardLabel:
         if self.get_y is None: self._memo[s.label] = v
         return v
     def labels_of(self, samples):
-        "The labels of `samples` as `map(self, samples)` gives them, each label text computed once, with no call per sample (a million samples share a thousand labels); an error names its sample as `self(s)` does"
+        "The labels of `samples` as `map(self, samples)` gives them, each label text computed once, with no call per sample"
+        # (a million samples share a thousand labels; an error names its sample as `self(s)` does)
         if self.get_y is not None or set(map(attrgetter('label_ext'), samples)) - {self.label}: return map(self, samples)
         texts = lambda: map(attrgetter('label'), samples)   # (no list of them: a million strings is ~80 MB more at the peak)
         try: vals = {t: self(TarSample('', '', '', 0, 0, t, self.label)) for t in set(texts())}
@@ -386,7 +388,8 @@ def _shard_procs(procs, n_files, n_shards):
     return n
 
 def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True, procs:int=None):
-    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`, `.cls` labels indexing `out/vocab.json`, in `procs` processes (None: the cores, from `PARALLEL_MIN` files); returns the shards' paths by split"
+    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`: their paths by split"
+    # (`.cls` labels indexing `out/vocab.json`; in `procs` processes, None: the cores, from `PARALLEL_MIN` files)
     from fastai.data.transforms import get_image_files
     from fastprogress.fastprogress import progress_bar
     if per_shard < 1: raise ValueError(f"per_shard={per_shard}: must be >= 1")

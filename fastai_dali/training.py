@@ -30,7 +30,9 @@ class PickledAsFastai:
         res = memo[id(self)] = object.__new__(type(self)); res.__setstate__(copy.deepcopy(self.__getstate__(), memo)); return res
 
 class FitHook:
-    "`f`, set as `obj`'s attribute `name` for one fit (`learn.all_batches`, a `ProgressCallback`'s `after_batch`): pickled (`learn.export` during a fit, or after one cut short, which runs no `after_fit` to take it away) as `obj`'s own `name`, so that the loaded object runs fastai's"
+    "`f`, set as `obj`'s attribute `name` for one fit, pickled as `obj`'s own `name` (a loaded object runs fastai's)"
+    # (`learn.all_batches`, a `ProgressCallback`'s `after_batch`: `learn.export` during a fit, or after one cut short,
+    # which runs no `after_fit` to take it away, pickles fastai's)
     def __init__(self, obj, name, f): self.obj,self.name,self.f = obj,name,f
     def __call__(self, *args, **kwargs): return self.f(*args, **kwargs)
     def __reduce__(self): return (getattr, (self.obj, self.name))   # (unpickled before `obj`'s own attributes: its class's)
@@ -155,7 +157,8 @@ class DeviceLossCallback(PickledAsFastai, Callback):
 _TWINS = ((Adam, ForeachAdam), (RAdam, ForeachRAdam), (SGD, ForeachSGD))
 
 class ForeachTwin(partial):
-    "`partial(twin, *args, **kwargs)`: a foreach twin with the arguments of `fastai_opt`, the fastai `opt_func` it stands for, as which it pickles (`learn.export`: the same numbers, and `load_learner` needs fastai alone)"
+    "`partial(twin, *args, **kwargs)`: a foreach twin of the fastai `opt_func` `fastai_opt`, as which it pickles"
+    # (`learn.export`: the same numbers, and `load_learner` needs fastai alone)
     def __new__(cls, twin, fastai_opt, *args, **kwargs):
         res = super().__new__(cls, twin, *args, **kwargs)
         res.fastai_opt = fastai_opt
@@ -174,7 +177,8 @@ def foreach_twin(opt_func):
 
 # %% ../nbs/04c_training.ipynb #1b725de0
 class DaliFastPathCallback(Callback):
-    "In fastai's `defaults.callbacks`: a `Learner` made over loaders whose `fast_path` is True (`DaliDataLoaders`' default) trains with fastai's optimizer's foreach twin (`foreach_twin`) and `DeviceLossCallback`; then it leaves the learner's callbacks"
+    "In fastai's `defaults.callbacks`: a `Learner` over `DaliDataLoaders` trains with fastai's optimizer's foreach twin and `DeviceLossCallback`"
+    # (loaders whose `fast_path` is True, `DaliDataLoaders`' default; `foreach_twin`; then it leaves the learner's callbacks)
     _fastai_dali_fast_path = True  # (what its registration knows it by)
     def after_create(self):
         learn = self.learn
