@@ -17,6 +17,7 @@ between replays (`between_replays`), per batch; with Python stacks where `TRACE_
 Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
 import bisect, cProfile, collections, gzip, json, os, pstats, statistics, subprocess, sys, tempfile, time
+from fastai_dali.bench.traces import stream_split, loader_waits, between_replays, in_stalls   # (reading the traces: Benchmarks' traces page)
 
 VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),
@@ -41,135 +42,6 @@ VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=
             'fetch thread': dict(_thread=True)}
 TRACED = ('loader defaults', 'dynamic executor', 'dynamic executor + DALI_USE_CUDA_MALLOC_ASYNC=1', 'CUDA_DEVICE_MAX_CONNECTIONS=32',
           'CUDA_DEVICE_MAX_CONNECTIONS=8', 'jpeg_fancy_upsampling=False', 'hw_decoder_load=0', 'fetch thread')   # (a torch.profiler trace of one more epoch)
-
-def stream_split(events, batches):
-    "Kernels of a chrome trace's `events` per CUDA stream: ms a batch on each, their union (the GPU busy), the overlap"
-    ks = [(e['ts'], e['ts'] + e['dur'], e.get('args', {}).get('stream'), e['name']) for e in events
-          if e.get('cat') == 'kernel' and e.get('ph') == 'X']
-    per,names = collections.Counter(),collections.defaultdict(collections.Counter)
-    for a,b,s,n in ks: per[s] += b - a; names[s][n[:60]] += b - a
-    busy = sum(b - a for a,b in _union((a, b) for a,b,_,_ in ks))   # (the union of the kernels' intervals)
-    span = (max(b for _,b,_,_ in ks) - min(a for a,_,_,_ in ks)) if ks else 0.
-    ms = lambda us: round(us/1000/batches, 3)
-    syncs = [e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaDeviceSynchronize']
-    return dict(device_syncs=round(len(syncs)/batches, 2), device_sync_ms=ms(sum(e['dur'] for e in syncs)),
-                per_stream={str(s): dict(ms=ms(v), top=[k for k,_ in names[s].most_common(3)]) for s,v in per.most_common()},
-                kernels_ms=ms(sum(per.values())), busy_ms=ms(busy), overlap_ms=ms(sum(per.values()) - busy), span_ms=ms(span),
-                **loader_waits(events, batches, max(per, key=per.get) if per else None), between_replays=between_replays(events, batches))
-
-def loader_waits(events, batches, graph_stream, late_us=1000):
-    "How the loader's GPU work waits for the graph: its kernels' launch-to-start delay, its threads' event waits, a batch"
-    launch = {e['args'].get('correlation'): e for e in events if e.get('cat') == 'cuda_runtime' and 'args' in e}
-    g = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('stream') == graph_stream)
-    run_ends = [a[1] for a,b in zip(g, g[1:]) if b[0] - a[1] > 300]   # (the graph stream's last kernel before it idles)
-    fit_threads = {e['tid'] for e in events if e.get('name') == 'cudaGraphLaunch'}
-    waits = [(k['ts'] - launch[k['args']['correlation']]['ts'], k['ts'], k['name']) for k in events if k.get('cat') == 'kernel'
-             and k.get('args', {}).get('stream') != graph_stream and k['args'].get('correlation') in launch]
-    by_name = collections.Counter(n[:60] for w,_,n in waits if w > late_us)
-    late = [(w,ts) for w,ts,_ in waits if w > late_us]
-    after_run = sum(any(0 <= ts - r < 500 for r in run_ends) for _,ts in late)   # (started as the graph's run ended)
-    ev_sync = [e['dur'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaEventSynchronize'
-               and e['tid'] not in fit_threads]
-    ms = lambda us: round(us/1000/batches, 3)
-    return dict(loader_kernels=round(len(waits)/batches, 1), loader_kernels_late=round(len(late)/batches, 2),
-                loader_kernels_late_wait_ms=round(sum(w for w,_ in late)/1000/max(1, len(late)), 3),
-                loader_kernels_late_after_graph=round(after_run/max(1, len(late)), 2),
-                loader_kernels_late_by_name={n: round(c/batches, 2) for n,c in by_name.most_common(4)},
-                loader_event_syncs=round(len(ev_sync)/batches, 1), loader_event_sync_ms=ms(sum(ev_sync)))
-
-def between_replays(events, batches, stall_us=1000):
-    """The graph's stream between one replay and the next, a batch (ms): the gap from one replay's last kernel to the
-    next one's first; the part of it after the batch had reached the host (DALI's `share_outputs` returned, or the
-    `fetch thread`'s queue; with no Python stacks the fit thread's last `cudaEventSynchronize` before the launch), i.e.
-    the host's own path from the loader's outputs to the launch; the stream's own work in the gaps (the batch's copies);
-    the host's wait for the batch; the host's time from the batch to the launch; the median delay from a launch to its
-    first kernel (the GPU's backlog: ~0 where the host is late); the stalls (gaps over `stall_us`); and, with Python
-    stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
-    launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
-    if len(launch) < 2: return {}
-    tid,corr = launch[0]['tid'],{e['args']['correlation']: i for i,e in enumerate(launch)}
-    span = [[None, None] for _ in launch]
-    for e in events:
-        i = corr.get(e.get('args', {}).get('correlation')) if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset') else None
-        if i is not None:
-            a,b = span[i]; span[i] = [e['ts'] if a is None else min(a, e['ts']), e['ts'] + e['dur'] if b is None else max(b, e['ts'] + e['dur'])]
-    if sum(a is not None for a,_ in span) < 2: return {}   # (no kernel tied to the launches: nothing to read)
-    host = sorted((e for e in events if e.get('tid') == tid and e.get('cat') in ('python_function', 'cpu_op', 'cuda_runtime')), key=lambda e: e['ts'])
-    stacks = any(e['cat'] == 'python_function' for e in host)
-    ready = [e for e in host if ('share_outputs' in e['name'] if stacks else e['name'] == 'cudaEventSynchronize')]
-    if stacks and not ready: ready = [e for e in host if 'queue.py' in e['name'] and '): get' in e['name']]   # (`fetch thread`)
-    starts,hts = [e['ts'] for e in ready],[e['ts'] for e in host]
-    tot,top,n,stalls,windows = collections.Counter(),collections.Counter(),0,[],[]
-    for i in range(1, len(launch)):
-        if None in span[i] or None in span[i-1]: continue
-        j = bisect.bisect_right(starts, launch[i]['ts']) - 1   # (-1: no wait for the loader on the fit's thread)
-        l,s,e0 = launch[i]['ts'],span[i][0],span[i-1][1]
-        w = ready[j]['dur'] if j >= 0 else 0.
-        if s - e0 > stall_us: stalls.append((s - e0, w, s - l)); windows.append((e0, s))
-        tot['gap'] += max(0, s - e0); n += 1
-        if j < 0: continue
-        r = ready[j]['ts'] + ready[j]['dur']
-        tot['gap_after_batch_on_host'] += max(0, s - max(r, e0))
-        tot['host_wait'] += w; tot['host_batch_to_launch'] += l + launch[i]['dur'] - r
-        if stacks:
-            end = -1
-            for e in host[bisect.bisect_left(hts, r):]:
-                if e['ts'] > l: break
-                if e['ts'] >= end and e['ts'] + e.get('dur', 0) <= l + launch[i]['dur']: top[e['name'][:80]] += e['dur']; end = e['ts'] + e['dur']
-    ms = lambda us: round(us/1000/max(1, n), 3)
-    # the graph's stream's own work between replays (the batch's copies, the smoothed loss, the numbers' copy)
-    gs = next((e['args'].get('stream') for e in events if e.get('cat') == 'kernel' and e.get('args', {}).get('correlation') in corr), None)
-    ends = sorted(b for _,b in span if b is not None); sts = sorted(a for a,_ in span if a is not None)
-    def between(t):   # (after a replay's end, before the next one's start)
-        done = bisect.bisect_right(ends, t); return 0 < done < len(sts) and done == bisect.bisect_right(sts, t)
-    tot['graph_stream_work_between'] = sum(e['dur'] for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
-                                          and e.get('args', {}).get('stream') == gs and e['args'].get('correlation') not in corr and between(e['ts']))
-    r = {f'{k}_ms': ms(v) for k,v in tot.items()}
-    if not ready: r.update(gap_after_batch_on_host_ms=None, host_wait_ms=None, host_batch_to_launch_ms=None)   # (not seen on the fit's thread)
-    r['launch_to_first_kernel_median_ms'] = round(statistics.median(span[i][0] - launch[i]['ts'] for i in range(len(launch)) if span[i][0] is not None)/1000, 3)
-    r['graph_launch_call_ms'] = round(statistics.median(e['dur'] for e in launch)/1000, 3)
-    # the gaps over `stall_us`: how many, their share of all the gaps, and what
-    # the host and the GPU did meanwhile (the host's wait for the loader; the delay from the launch to the first kernel)
-    mean = lambda xs: round(statistics.mean(xs)/1000, 3) if xs else 0.
-    r['stalls'] = dict(batches=len(stalls), of=n, share_of_gaps=round(sum(x[0] for x in stalls)/max(1, tot['gap']), 2),
-                       gap_ms=mean([x[0] for x in stalls]), host_wait_ms=mean([x[1] for x in stalls]), launch_to_first_kernel_ms=mean([x[2] for x in stalls]),
-                       **in_stalls(events, windows, (launch[0]['ts'], max(b for _,b in span if b is not None)), gs, tid))
-    if stacks:
-        r['python_calls_a_batch'] = round(sum(e['cat'] == 'python_function' for e in host if launch[0]['ts'] <= e['ts'] < launch[-1]['ts'])/(len(launch) - 1))
-        r['host_batch_to_launch_top'] = {k: ms(v) for k,v in top.most_common(8)}
-    return r
-
-def _union(intervals):
-    "The union of `intervals` ((start, end) pairs): sorted, disjoint [start, end] pairs"
-    merged = []
-    for a,b in sorted(intervals):
-        if merged and a <= merged[-1][1]: merged[-1][1] = max(merged[-1][1], b)
-        else: merged.append([a, b])
-    return merged
-
-def _covered(merged, windows):
-    "How much of `windows` (disjoint (start, end) pairs) the disjoint intervals `merged` cover"
-    return sum(max(0, min(b, wb) - max(a, wa)) for a,b in merged for wa,wb in windows)
-
-def in_stalls(events, windows, span, graph_stream, fit_tid):
-    """What the rest of the GPU and the loader's busiest thread do in the stalls' `windows`, against the rest of `span`
-    (shares of time): the other streams' work (their union), the thread launching most kernels outside the fit's
-    thread (DALI's decoder) in CUDA calls; and that thread's pace, the median time from one of its host-to-device
-    copies to the next (one an image on the hardware decoder's path)"""
-    if not windows: return {}
-    w = sum(b - a for a,b in windows); rest = max(1., span[1] - span[0] - w)
-    gpu = _union((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')
-                 and e.get('args', {}).get('stream') != graph_stream and span[0] <= e['ts'] <= span[1])
-    tids = collections.Counter(e['tid'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaLaunchKernel' and e['tid'] != fit_tid)
-    r = dict(other_streams_busy=round(_covered(gpu, windows)/w, 2), other_streams_busy_elsewhere=round((_covered(gpu, [span]) - _covered(gpu, windows))/rest, 2))
-    if tids:
-        t = tids.most_common(1)[0][0]
-        calls = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') == 'cuda_runtime' and e['tid'] == t and span[0] <= e['ts'] <= span[1])
-        inside = sum(max(0, min(b, wb) - max(a, wa)) for a,b in calls for wa,wb in windows)
-        mc = sorted(e['ts'] for e in events if e.get('cat') == 'cuda_runtime' and e['tid'] == t and e.get('name') == 'cudaMemcpyAsync' and span[0] <= e['ts'] <= span[1])
-        r.update(loader_thread_in_cuda_calls=round(inside/w, 2), loader_thread_in_cuda_calls_elsewhere=round((sum(b - a for a,b in calls) - inside)/rest, 2),
-                 loader_thread_copy_to_copy_median_us=round(statistics.median(b - a for a,b in zip(mc, mc[1:])), 1) if len(mc) > 1 else None)
-    return r
 
 def fetch_ahead(gen, depth=2):
     """A loader's batches from `gen` (a generator function of the loader), each fetched by a thread of its own up to
@@ -260,7 +132,7 @@ def one(out, arch, root, name):
             r['trace_img_s'] = round(t.runs[-1])
     print(json.dumps(r), flush=True)
 
-def main(out, arch='resnet18', root='/tmp/bt/data_10000', variants=None):
+def main(out, arch='resnet18', root=os.path.join(tempfile.gettempdir(), 'bt/data_10000'), variants=None):
     from fastai_dali.samples import make_bench_dataset
     make_bench_dataset(root, 10000)
     fn = f'{out}/step_graph_loader.json'

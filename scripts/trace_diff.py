@@ -7,28 +7,7 @@ kernels (another kernel, or the same one slower) or the time between the graphs.
     python scripts/trace_diff.py A.json.gz B.json.gz [BATCHES] [TOP]   (BATCHES: each trace's replays, default: counted)
 """
 import collections, gzip, json, os, re, sys
-sys.path.insert(0, os.path.dirname(__file__))
-from step_graph_loader import between_replays
-
-def norm(name):
-    "A kernel's name without what differs from one compilation to the next (Triton's numbered kernels, template arguments)"
-    n = re.sub(r'_\d+$', '', name.split('(')[0])
-    return re.sub(r'<.*', '<…>', n)[:90]
-
-def kernels(events):
-    "({name: (count, µs)} of the kernels the graph launches replayed, the same of the others, the number of replays)"
-    launch = {e['args']['correlation'] for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'}
-    inside,outside = collections.defaultdict(lambda: [0, 0.]),collections.defaultdict(lambda: [0, 0.])
-    for e in events:
-        if e.get('cat') not in ('kernel', 'gpu_memcpy', 'gpu_memset'): continue
-        d = inside if e.get('args', {}).get('correlation') in launch else outside
-        k = d[norm(e['name'])]; k[0] += 1; k[1] += e['dur']
-    return inside,outside,len(launch)
-
-def diff(a, b, na, nb, top):
-    "Rows (name, count a batch in a, in b, µs a batch in a, in b, b - a), the largest differences first"
-    rows = [(k, a[k][0]/na, b[k][0]/nb, a[k][1]/na, b[k][1]/nb, b[k][1]/nb - a[k][1]/na) for k in set(a) | set(b)]
-    return sorted(rows, key=lambda r: -abs(r[-1]))[:top]
+from fastai_dali.bench.traces import between_replays, graph_kernels as kernels, kernel_diff as diff
 
 def main(fa, fb, batches=None, top='15'):
     ea,eb = (json.load(gzip.open(f))['traceEvents'] for f in (fa, fb))

@@ -1,9 +1,5 @@
-"How `scripts/step_graph_loader.py` reads a torch.profiler trace: the loader's kernels that wait behind the graph"
-import importlib.util
-from pathlib import Path
-
-spec = importlib.util.spec_from_file_location('step_graph_loader', Path(__file__).parents[1]/'scripts'/'step_graph_loader.py')
-sgl = importlib.util.module_from_spec(spec); spec.loader.exec_module(sgl)
+"How `fastai_dali.bench.traces` reads a torch.profiler trace (for the GPU scripts): the loader's kernels that wait behind the graph, the graph stream between replays, two traces side by side"
+import fastai_dali.bench.traces as sgl
 
 def _trace():
     """Two batches: the graph (stream 7) runs 0-9000 us and 10000-19000 us; the decoder (stream 175, its own thread) has a
@@ -69,12 +65,11 @@ def test_between_replays():
     assert sgl.between_replays(_trace(), batches=2) == {}   # (kernels not tied to the launches)
 
 def test_trace_diff_kernels():
-    spec = importlib.util.spec_from_file_location('trace_diff', Path(__file__).parents[1]/'scripts'/'trace_diff.py')
-    td = importlib.util.module_from_spec(spec); spec.loader.exec_module(td)
+    td = sgl
     # Triton's numbered kernels and template arguments differ from one compilation to the next: one name for each
-    assert [td.norm(n) for n in ('triton_poi_fused_add_relu_12', 'void at::native::reduce_kernel<512, 1>(float*)')] == \
+    assert [td.kernel_name(n) for n in ('triton_poi_fused_add_relu_12', 'void at::native::reduce_kernel<512, 1>(float*)')] == \
            ['triton_poi_fused_add_relu', 'void at::native::reduce_kernel<…>']
-    inside,outside,n = td.kernels(_replays())   # (the graph's 27 convolutions; outside it two copies, the loader's two kernels)
+    inside,outside,n = td.graph_kernels(_replays())   # (the graph's 27 convolutions; outside it two copies, the loader's two kernels)
     assert (n, dict(inside), dict(outside)) == (3, {'conv': [27, 27000]}, {'Memcpy DtoD': [2, 200], 'ycbcr': [2, 2000]})
-    rows = td.diff(inside, {'conv': [30, 36000]}, 3, 3, 5)   # (a B whose convolutions take a third longer)
+    rows = td.kernel_diff(inside, {'conv': [30, 36000]}, 3, 3, 5)   # (a B whose convolutions take a third longer)
     assert rows == [('conv', 9.0, 10.0, 9000.0, 12000.0, 3000.0)]
