@@ -16,8 +16,8 @@ between replays (`between_replays`), per batch; with Python stacks where `TRACE_
 
 Writes OUT/step_graph_loader.json and OUT/trace_step_graph_loader_ARCH_K.json.gz (K: the traced variant); prints a table.
 """
-import bisect, cProfile, collections, gzip, json, os, pstats, statistics, subprocess, sys, tempfile, time
-from fastai_dali.bench.traces import stream_split, loader_waits, between_replays, in_stalls   # (reading the traces: Benchmarks' traces page)
+import cProfile, gzip, json, os, pstats, subprocess, sys, tempfile, time
+from fastai_dali.bench.traces import stream_split   # (reading the traces: the bench's traces page)
 
 VARIANTS = {'synthetic': {}, 'loader defaults': {}, 'prefetch=3': dict(prefetch=3), 'prefetch=4': dict(prefetch=4), 'prefetch=6': dict(prefetch=6),
             'num_threads=6': dict(num_threads=6), 'num_threads=8': dict(num_threads=8),

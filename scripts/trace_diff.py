@@ -6,7 +6,7 @@ kernels (another kernel, or the same one slower) or the time between the graphs.
 
     python scripts/trace_diff.py A.json.gz B.json.gz [BATCHES] [TOP]   (BATCHES: each trace's replays, default: counted)
 """
-import collections, gzip, json, os, re, sys
+import gzip, json, sys
 from fastai_dali.bench.traces import between_replays, graph_kernels as kernels, kernel_diff as diff
 
 def main(fa, fb, batches=None, top='15'):

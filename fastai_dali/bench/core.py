@@ -10,6 +10,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from ..core import *
 from ..lifetime import track_pipeline
 import fastai.callback.progress  # `Learner.no_bar`
+from fastai.callback.core import Callback, CancelValidException
 import gc, time, torch
 from contextlib import closing
 from ..samples import make_bench_dataset
@@ -82,7 +83,6 @@ def epoch_timeline(dl, epochs=3, skip=3):
 # %% ../../nbs/07a_bench_core.ipynb #b7t0
 def train_timer(warmup=0, validate=True):
     "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs); `validate=False` skips validation"
-    from fastai.callback.core import Callback, CancelValidException  # here, so that importing this module does not import fastai
     class TrainTimer(Callback):
         order = 100  # after the other callbacks' `after_batch`
         def before_fit(self): self.runs,self.n_all,self.t_all = [],0,0.
