@@ -107,18 +107,25 @@ _JS_COPY_OVER_TEXT = """() => {
 }"""
 
 @pytest.fixture(scope='module')
-def crawl(server):
-    "Load every page in chromium; what went wrong, by kind"
-    site, base = server
+def browser():
+    "One chromium for the module: playwright's sync API cannot nest, and the tests run in a shuffled order"
     from playwright.sync_api import sync_playwright
     assert Path(CHROMIUM).exists(), f'{CHROMIUM} missing: apt-get install -y chromium (or set FASTAI_DALI_CHROMIUM)'
+    with sync_playwright() as pw:
+        br = pw.chromium.launch(executable_path=CHROMIUM, args=['--no-sandbox'])
+        yield br
+        br.close()
+
+@pytest.fixture(scope='module')
+def crawl(server, browser):
+    "Load every page in chromium; what went wrong, by kind"
+    site, base = server
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob('*.html') if p.name != '404.html')
     probs = {k: [] for k in ('page errors', 'console errors', 'failed requests', 'external requests',
                              'missing images', 'broken links', 'wide code', 'copy button over code', 'NoneType')}
     host = urllib.parse.urlsplit(base).netloc
-    with sync_playwright() as pw:
-        br = pw.chromium.launch(executable_path=CHROMIUM, args=['--no-sandbox'])
-        ctx = br.new_context(viewport=VIEWPORTS['default'])
+    ctx = browser.new_context(viewport=VIEWPORTS['default'])
+    try:
         def route(r):
             if urllib.parse.urlsplit(r.request.url).netloc == host or r.request.url.startswith(('data:', 'blob:')):
                 r.continue_()
@@ -151,7 +158,7 @@ def crawl(server):
                 probs['copy button over code'] += [f'{rel} ({vp}): {w}' for w in pg.evaluate(_JS_COPY_OVER_TEXT)]
             pg.set_viewport_size(VIEWPORTS['default'])
             probs['NoneType'] += [f'{rel}: {l.strip()}' for l in pg.inner_text('body').splitlines() if 'NoneType' in l]
-        br.close()
+    finally: ctx.close()
     return pages, probs
 
 def _check(crawl, kind):
@@ -175,14 +182,11 @@ def test_copy_button_clear(crawl):   _check(crawl, 'copy button over code')
 def test_no_nonetype(crawl):         _check(crawl, 'NoneType')
 
 @pytest.fixture(scope='module')
-def page(server):
-    from playwright.sync_api import sync_playwright
+def page(server, browser):
     site, base = server
-    with sync_playwright() as pw:
-        br = pw.chromium.launch(executable_path=CHROMIUM, args=['--no-sandbox'])
-        pg = br.new_page(viewport=VIEWPORTS['default'])
-        yield base, pg
-        br.close()
+    pg = browser.new_page(viewport=VIEWPORTS['default'])
+    yield base, pg
+    pg.close()
 
 def test_search_finds_public_name(page):
     base, pg = page
