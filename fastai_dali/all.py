@@ -6,10 +6,13 @@
 __all__ = []
 
 # %% ../nbs/05_all.ipynb #c002
-# every module, for what importing it registers: the DALI translations of fastai's transforms, the fast path in fastai's
-# `defaults.callbacks`, the patch of fastai's distributed loader (each module's own names stay there: `fastai_dali.feed.Feed`)
+# every module, for what importing it registers in fastai_dali itself (the DALI translations of fastai's transforms); each
+# module's own names stay there (`fastai_dali.feed.Feed`)
 from . import (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader,
-                         distributed, data, training, optimizer, graphs, shards)
+                         distributed, data, training, optimizer, graphs, shards, patches)
+# the changes to fastai, listed in `fastai_dali.patches.PATCHES` (and the README): `DataBlock.dali_dataloaders`, the fast
+# path in fastai's `defaults.callbacks`, fastai's distributed hook
+patches.apply_patches()
 
 # %% ../nbs/05_all.ipynb #c003
 from .core import set_work_queues

@@ -11,7 +11,7 @@ from fastcore.basics import *
 from fastai.torch_core import default_device
 
 # %% auto #0
-__all__ = ['installed_dali_wheels', 'cuda_driver_started', 'set_work_queues', 'warn_late_queues', 'dali_cuda_count',
+__all__ = ['installed_dali_wheels', 'cuda_driver_started', 'set_work_queues', 'hint_work_queues', 'dali_cuda_count',
            'dali_device_id', 'default_num_threads', 'derive_seed', 'gc_paused']
 
 # %% ../nbs/00_core.ipynb #c004
@@ -34,29 +34,32 @@ def cuda_driver_started():
     n = ctypes.c_int()
     return lib.cuDeviceGetCount(ctypes.byref(n)) != 3   # (3: CUDA_ERROR_NOT_INITIALIZED, nothing has called `cuInit`)
 
-_late_queues = False   # CUDA had started before `set_work_queues` could set the queues: the first GPU loader says so
+_queues_said = False   # this process has been told about its work queues once (`set_work_queues` too late, or a fit's hint)
+_QUEUES_GAIN = ("a fit with StepGraphCallback trained 13,385 img/s with 32 queues against 9,962 with CUDA's 8, resnet18 "
+                "on an H100")
 
 def set_work_queues(n:int=32):
-    "Set `CUDA_DEVICE_MAX_CONNECTIONS` to `n` unless it is set or CUDA has started in this process: the value in force (`None`: CUDA's 8)"
-    global _late_queues
+    "Set `CUDA_DEVICE_MAX_CONNECTIONS` (the GPU's hardware work queues) to `n`, before anything starts CUDA: the value in force (`None`: CUDA's 8)"
+    global _queues_said
     if 'CUDA_DEVICE_MAX_CONNECTIONS' in os.environ: return os.environ['CUDA_DEVICE_MAX_CONNECTIONS']
-    if torch.cuda.is_initialized() or cuda_driver_started(): _late_queues = True; return None
+    if torch.cuda.is_initialized() or cuda_driver_started():
+        _queues_said = True
+        warnings.warn("set_work_queues: CUDA has already started in this process (`torch.cuda.is_available()` starts it), "
+                      "so it keeps its 8 hardware work queues. Call set_work_queues() before anything touches CUDA, or "
+                      f"start Python with CUDA_DEVICE_MAX_CONNECTIONS={n} in the environment ({_QUEUES_GAIN}).", stacklevel=2)
+        return None
     os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = str(n)
     return str(n)
 
-set_work_queues()
-
 # %% ../nbs/00_core.ipynb #5b0e1a27
-def warn_late_queues():
-    "Once a process, where CUDA started before fastai_dali could set its work queues: a warning saying what that costs and what to do"
-    global _late_queues
-    if not _late_queues: return
-    _late_queues = False
-    warnings.warn("CUDA started in this process before fastai_dali was imported (`torch.cuda.is_available()` starts it), so it "
-                  "runs with CUDA's 8 hardware work queues: the loader's GPU work waits behind the training step's (a fit with "
-                  "StepGraphCallback trained 0.74x as fast that way, resnet18 on an H100). Import fastai_dali before anything "
-                  "touches CUDA, or start Python with CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment (8 keeps CUDA's "
-                  "default and silences this).", stacklevel=2)
+def hint_work_queues():
+    "Once a process where `CUDA_DEVICE_MAX_CONNECTIONS` is not set (a graph callback's fit on a GPU calls it): a warning with what 32 queues gave and how to ask for them"
+    global _queues_said
+    if _queues_said or 'CUDA_DEVICE_MAX_CONNECTIONS' in os.environ: return
+    _queues_said = True
+    warnings.warn(f"CUDA runs this process with its 8 hardware work queues, and the loader's GPU work waits behind the training "
+                  f"step's graph ({_QUEUES_GAIN}). Call fastai_dali's set_work_queues() first thing in the script, or start "
+                  "Python with CUDA_DEVICE_MAX_CONNECTIONS=32 (any value, 8 included, silences this).", stacklevel=2)
 
 # %% ../nbs/00_core.ipynb #c005
 try: import nvidia.dali as dali
@@ -84,7 +87,6 @@ def dali_device_id(device=None):
     if device.type == 'cpu': return None
     if device.type != 'cuda':
         raise ValueError(f"device={device}: DALI pipelines run on 'cpu' or 'cuda' devices, not {device.type!r}")
-    warn_late_queues()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     n = dali_cuda_count()
     if idx >= n:

@@ -199,13 +199,6 @@ def from_folder(cls:DaliDataLoaders, path, train='train', valid='valid', valid_p
 for _n in ('from_path_func', 'from_name_func', 'from_path_re', 'from_name_re', 'from_df', 'from_csv', 'from_lists'):
     setattr(DaliDataLoaders, _n, classmethod(getattr(ImageDataLoaders, _n).__func__))
 
-# %% ../nbs/04_data.ipynb #c017
-@patch
-@delegates(DaliDataLoaders.from_dblock)
-def dali_dataloaders(self:DataBlock, source, **kwargs):
-    "Create `DaliDataLoaders` from this `DataBlock` on `source` (the DALI counterpart of `dataloaders`)"
-    return DaliDataLoaders.from_dblock(self, source, **kwargs)
-
 # %% ../nbs/04_data.ipynb #c036
 import zipfile
 

@@ -15,6 +15,7 @@ from fastai.callback.core import (Callback, CancelFitException, CancelEpochExcep
                                   CancelValidException, CancelBatchException)
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.mixup import MixHandler
+from .core import hint_work_queues
 from .optimizer import ForeachOptimizer, bucket_step
 from .training import PickledAsFastai, FitHook
 
@@ -39,6 +40,7 @@ class CudaGraphCallback(PickledAsFastai, Callback):
         if not self.on:
             warnings.warn(f"CudaGraphCallback: the model is on {p.device if p is not None else 'no device'}; CUDA graphs need "
                           "a CUDA device, so this fit trains the model as it is"); return
+        hint_work_queues()
         if self.eager is not m: self.graphs,self.eager = torch.compile(m, mode='reduce-overhead'),m
         def all_batches():  # fastai's, then the model itself again however the phase ends (cancelled, an error, an interrupt)
             try: type(learn).all_batches(learn)
@@ -183,6 +185,7 @@ def _setup(self:StepGraphCallback):
                       "CUDA device, so this fit trains as fastai does"); return
     why = step_refusal(learn)
     if why: raise ValueError(f"StepGraphCallback: {why}")
+    hint_work_queues()
     if self.eager is not learn.model:
         self.eager,self.module = learn.model,(torch.compile(learn.model) if self.compile else learn.model)
     # (a copy of its own: Dynamo counts a function's compiled variants, 8 at most, per code object, so this callback's

@@ -17,7 +17,7 @@ from .optimizer import ForeachAdam, ForeachRAdam, ForeachSGD
 
 # %% auto #0
 __all__ = ['PickledAsFastai', 'FitHook', 'DeviceSmoothLoss', 'DeviceLossCallback', 'ForeachTwin', 'foreach_twin',
-           'DaliFastPathCallback', 'register_fast_path']
+           'DaliFastPathCallback']
 
 # %% ../nbs/04c_training.ipynb #a5e7c002
 class PickledAsFastai:
@@ -186,9 +186,3 @@ class DaliFastPathCallback(Callback):
             learn.opt_func = foreach_twin(learn.opt_func)
             if not any(isinstance(c, DeviceLossCallback) for c in learn.cbs): learn.add_cb(DeviceLossCallback())
         learn.remove_cb(self)
-
-def register_fast_path():
-    "`DaliFastPathCallback` into fastai's `defaults.callbacks`, once: running this again (a reload, a notebook running the module's cells) replaces an earlier class of it rather than adding a second"
-    defaults.callbacks[:] = [c for c in defaults.callbacks if not getattr(c, '_fastai_dali_fast_path', False)] + [DaliFastPathCallback]
-
-register_fast_path()

@@ -25,7 +25,7 @@ import numpy as np, torch
 from torch import nn
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, GrandparentSplitter, Resize, get_image_files,
                                parent_label, Learner, Callback, CrossEntropyLossFlat)
-from fastai_dali.data import DaliDataLoaders
+from fastai_dali.all import DaliDataLoaders   # (with its patches, as a user imports it)
 from fastai_dali.samples import make_image_folder
 import fastai_dali.lifetime as P
 

@@ -14,9 +14,11 @@ on the same folder (6 photo classes, 300-500 x 240-400 px JPEGs; bs 128, 224 px,
     defaults        the script without `StepGraphCallback` (a Learner's defaults), the bar on
     defaults_no_bar the same without the bar
     aug             the script with `RandomResizedCrop(224, min_scale=0.35)` and `aug_transforms()`
-    queues8         the script, started with `CUDA_DEVICE_MAX_CONNECTIONS=8` (CUDA's 8 hardware work queues, chosen by the user)
-    cuda_first      the script with `torch.cuda.is_available()` before its imports (CUDA started before fastai_dali could set
-                    the queues: the row records the warning the loader gives)
+    queues8         the script without `set_work_queues()` (CUDA's 8 hardware work queues)
+    cuda_first      the script with `torch.cuda.is_available()` before `set_work_queues()` (CUDA started first: the row
+                    records the warning)
+
+The script asks for 32 work queues (`set_work_queues()` after its imports, as the README says for `StepGraphCallback`).
 
 Each epoch's training phase is timed from `before_train` to `after_train` (`torch.cuda.synchronize` at both ends); a row's
 figure is the median of its epochs after the first (EPOCHS-1 of them: with EPOCHS 4, a true median of 3). With TRACE, the
@@ -54,7 +56,8 @@ def one_row(row, root, arch, epochs, trace):
         from fastai.vision.all import (vision_learner, Learner, create_vision_model, CrossEntropyLossFlat, Resize, Normalize,
                                        imagenet_stats, Callback, CancelValidException, RandomResizedCrop, aug_transforms)
         import torchvision.models as tvm
-        from fastai_dali.all import DaliDataLoaders, StepGraphCallback
+        from fastai_dali.all import DaliDataLoaders, StepGraphCallback, set_work_queues
+        if row != 'queues8': set_work_queues()
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         arch_fn = getattr(tvm, arch)
         item,batch = ((RandomResizedCrop(224, min_scale=0.35), [*aug_transforms(), Normalize.from_stats(*imagenet_stats)]) if row == 'aug'
@@ -120,7 +123,7 @@ def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
                 f"print('ROW ' + json.dumps(one_row({row!r}, {str(root)!r}, {arch!r}, {epochs}, {tr!r})))")
         # torch's compile caches: a folder of this run's, empty for the first row (cold), kept for the next ones
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'user_fit_inductor_cache'))
-        if row == 'queues8': env['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'   # (CUDA's default, chosen by the user)
+        env.pop('CUDA_DEVICE_MAX_CONNECTIONS', None)   # (the script's own call decides)
         if row == rows[0] and not row.endswith('_warm'): subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
         p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
         line = next((l[4:] for l in p.stdout.splitlines() if l.startswith('ROW ')), None)

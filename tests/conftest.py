@@ -30,6 +30,9 @@ warnings.filterwarnings('ignore', message='.*torch.jit.script.*', category=Futur
 
 import numpy as np, pytest, torch
 from torch import nn
+# the tests run what users import, in any order: `fastai_dali.all`, its patches of fastai applied (Patches); what importing
+# a module alone changes is `test_import_changes.py`'s, in a fresh process
+import fastai_dali.all
 import torch.nn.functional as F
 from PIL import Image
 

@@ -1,7 +1,9 @@
-"""What `from fastai_dali.all import *` changes outside fastai_dali's own objects is what the README says, and nothing more:
-in a fresh process, every attribute of every class and module of fastai and fastcore, fastai's `defaults` and the
-environment, read before the import and after it."""
-import json, subprocess, sys, textwrap
+"""What `from fastai_dali.all import *` changes outside fastai_dali's own objects is what `fastai_dali.patches.PATCHES` and
+the README list, and nothing more; importing every other module changes nothing: in a fresh process, every attribute of
+every class and module of fastai and fastcore, fastai's `defaults` and the environment, read before the import and after."""
+import json, os, subprocess, sys, textwrap
+from pathlib import Path
+from fastcore.test import test_eq as eq   # (as `eq`: pytest would collect `test_eq`)
 
 SNAPSHOT = textwrap.dedent('''
     import os, sys, json
@@ -19,7 +21,7 @@ SNAPSHOT = textwrap.dedent('''
         return res
     import fastai.vision.all, fastai.distributed
     before = snapshot()
-    from fastai_dali.all import *
+    IMPORT
     after = snapshot()
     changed = sorted(k for k in before if k in after and before[k] != after[k])
     added = sorted(k for k in after if k not in before and k.rsplit('.', 1)[0] in before)   # (new attributes of what was there)
@@ -28,17 +30,37 @@ SNAPSHOT = textwrap.dedent('''
     print('CHANGES ' + json.dumps(dict(changed=changed, added=added, env=env, callbacks=[c.__name__ for c in defaults.callbacks])))
 ''')
 
-def test_import_changes_what_the_readme_lists():
-    env = {k: v for k,v in __import__('os').environ.items() if k != 'CUDA_DEVICE_MAX_CONNECTIONS'}
-    r = subprocess.run([sys.executable, '-c', SNAPSHOT], capture_output=True, text=True, env=env, timeout=300)
+def changes(statement):
+    "What `statement` changed, run in a fresh process after fastai's own imports"
+    env = {k: v for k,v in os.environ.items() if k != 'CUDA_DEVICE_MAX_CONNECTIONS'}
+    r = subprocess.run([sys.executable, '-c', SNAPSHOT.replace('IMPORT', statement)], capture_output=True, text=True, env=env, timeout=300)
     line = next((l[8:] for l in r.stdout.splitlines() if l.startswith('CHANGES ')), None)
     assert line is not None, r.stderr[-3000:]
-    c = json.loads(line)
-    # the README's list ("What importing changes"): the work queues, DataBlock.dali_dataloaders, the fast path in fastai's
-    # defaults.callbacks, fastai's distributed loader hook
-    assert c['added'] == ['fastai.data.block.DataBlock.dali_dataloaders',
-                          'fastai.distributed.DistributedTrainer._orig__wrap_dl'], c['added']   # (fastcore's `patch` keeps the one it replaced)
-    assert set(c['changed']) == {'fastai.distributed.DistributedTrainer._wrap_dl', 'defaults', 'environ'}, c['changed']
-    assert c['callbacks'][-1] == 'DaliFastPathCallback'
-    # (on a machine where CUDA had started before the import the variable is left alone; not here: nothing touched CUDA)
-    assert c['env'] == {'CUDA_DEVICE_MAX_CONNECTIONS': '32'}
+    return json.loads(line)
+
+def test_all_changes_what_patches_and_the_readme_list():
+    from fastai_dali.patches import PATCHES
+    c = changes('from fastai_dali.all import *')
+    eq(c['added'], ['fastai.data.block.DataBlock.dali_dataloaders'])
+    eq(set(c['changed']), {'fastai.distributed.DistributedTrainer._wrap_dl', 'defaults'})   # (defaults: its callbacks)
+    eq(c['callbacks'][-1], 'DaliFastPathCallback')
+    eq(c['env'], {'CUDA_DEVICE_MAX_CONNECTIONS': None})   # the work queues: only when asked (`set_work_queues`)
+    eq(sorted(p.target for p in PATCHES), ['fastai.data.block.DataBlock.dali_dataloaders',
+                                                'fastai.distributed.DistributedTrainer._wrap_dl', 'fastai.torch_core.defaults.callbacks'])
+    readme = (Path(__file__).resolve().parents[1]/'README.md').read_text()
+    for p in PATCHES: assert '.'.join(p.target.split('.')[-2:]) in readme, p.target   # ('DataBlock.dali_dataloaders', ...)
+
+def test_modules_alone_change_nothing():
+    mods = sorted(f.stem for f in (Path(__file__).resolve().parents[1]/'fastai_dali').glob('*.py')
+                  if f.stem not in ('__init__', '_modidx', 'all', 'patches', 'demo'))   # (demo: a command that imports `all`)
+    c = changes('; '.join(f'import fastai_dali.{m}' for m in mods))
+    eq((c['added'], c['changed'], c['env']), ([], [], {'CUDA_DEVICE_MAX_CONNECTIONS': None}))
+    assert 'DaliFastPathCallback' not in c['callbacks']
+
+def test_work_queues_asked_after_the_imports():
+    "`set_work_queues()` after the imports (the README's place) is in time: importing fastai, DALI and fastai_dali starts no CUDA"
+    env = {k: v for k,v in os.environ.items() if k != 'CUDA_DEVICE_MAX_CONNECTIONS'}
+    code = ('import warnings; warnings.simplefilter("error", UserWarning); from fastai.vision.all import *; '
+            'from fastai_dali.all import *; print("QUEUES", set_work_queues())')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=300)
+    eq([l for l in r.stdout.splitlines() if l.startswith('QUEUES')], ['QUEUES 32'])

@@ -33,6 +33,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
               sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150, scale_n=None, scale_classes=1000, scale_shards=None,
               scale_mixed=False, scale_root=None, scale_epochs=0):
     "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
+    queues = set_work_queues()   # (first: its training rows run as the README says a fit with StepGraphCallback should)
     from fastai.vision.all import Resize, Normalize, imagenet_stats
     import fastai, nvidia.dali, platform
     from fastai_dali.data import DaliDataLoaders
@@ -49,7 +50,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
     root = (Path(path) if path else make_bench_dataset(out/f'data_{n}', n)) if loaders else None
     res = {'machine': {'device': torch.cuda.get_device_name(0) if gpu else f'CPU ({default_num_threads()} cores)',
                        'cpus': default_num_threads(), 'dali': nvidia.dali.__version__, 'fastai': fastai.__version__,
-                       'torch': torch.__version__, 'python': platform.python_version()},
+                       'torch': torch.__version__, 'python': platform.python_version(), 'work_queues': queues},
            'settings': dict(path=str(root), bs=bs, size=size, workers=list(workers), py_workers=list(py_workers), device=device, repeats=repeats,
                             max_batches=max_batches, sections=[s for s in SECTIONS if s in S])}
     print(res['machine'], flush=True)

@@ -8,6 +8,7 @@ from nvidia.dali import pipeline_def, fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from ..core import *
+import fastai_dali.all   # (the bench measures what users import: `fastai_dali.all`, its patches applied)
 from ..lifetime import track_pipeline
 import fastai.callback.progress  # `Learner.no_bar`
 from fastai.callback.core import Callback, CancelValidException
