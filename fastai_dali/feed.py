@@ -22,7 +22,7 @@ from .sources import *
 # %% auto #0
 __all__ = ['BuildSpec', 'BuildSeeds', 'augment_seed', 'shard_len', 'n_batches', 'shard_positions', 'shard_padded', 'ShardShare',
            'epoch_items', 'BuiltPipeline', 'PipelineCache', 'HostTensor', 'HostList', 'DaliIterator',
-           'executor_pipeline', 'Feed']
+           'executor_pipeline', 'Feed', 'FeedCheckpoint']
 
 # %% ../nbs/03e_feed.ipynb #c005
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class BuildSpec:
     py_workers: int
     roi_decode: bool|None
     order: tuple|None = None  # an item order fastai or a callback installed
+    checkpointing: bool = False  # DALI keeps what a checkpoint needs (`Feed.checkpoint`; DALI's order after the first epoch differs)
     # what the build reads; compared above by id
     item_fs: tuple = field(default=(), compare=False, repr=False)
     batch_fs: tuple = field(default=(), compare=False, repr=False)
@@ -139,7 +140,7 @@ class BuiltPipeline:
     "A DALI pipeline and iterator, with the spec and inputs they were built from and the epochs they ran: kept or dropped as a unit"
     def __init__(self, pipeline, it, plan, log, spec:BuildSpec, files, names, source=None, gather_n=None):
         # the spec (holding the dataset and the transforms) stays alive with it, so the ids in it stay theirs
-        store_attr(); self.epoch,self.in_epoch,self._live = 0,False,None
+        store_attr(); self.epoch,self.in_epoch,self._live,self.resumed_at = 0,False,None,0
     def start_epoch(self):
         "Mark an epoch begun; keep the returned token alive while it is iterated"
         token = _Live(); self._live,self.in_epoch = weakref.ref(token),True
@@ -248,6 +249,8 @@ class Feed:
         self.built = None        # the `BuiltPipeline` this feed iterates (None before its first epoch, after a failure)
         self.n_builds = 0        # pipelines this feed built
         self.n_done = 0          # epochs run to their end (the same count on every shard)
+        self.n_given = 0         # batches given of the epoch under way (0 between epochs)
+        self.resume_from = None  # a `FeedCheckpoint` the next build starts from (`resume`), until that build
         self.gathered = None     # items of the last batch to keep once gathered from every shard (None: all)
         self.inputs,self.inputs_of = None,None  # the `DaliInputs` of the dataset with id `inputs_of`
         self.targets_on = {}     # the inputs' targets, moved to each device DALI delivers on
@@ -256,7 +259,7 @@ class Feed:
 
     def __getstate__(self):
         # a built pipeline holds threads and device memory: the unpickled feed builds its own, in a family of its own
-        d = self.__dict__.copy(); d.update(pipes=PipelineCache(), built=None, targets_on={}, gathered=None)
+        d = self.__dict__.copy(); d.update(pipes=PipelineCache(), built=None, targets_on={}, gathered=None, resume_from=None)
         return d
 
     def inputs_for(self, ds, num_threads:int=None):
@@ -326,7 +329,8 @@ class Feed:
                                batch_size=spec.bs, num_threads=spec.num_threads, device_id=device_id, seed=seeds.pipeline,
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
                                hw_decoder_load=spec.hw_decoder_load, host_memory_padding=spec.host_memory_padding,
-                               mask_files=lists[1], names=outputs, **by_batch, **kw)
+                               mask_files=lists[1], names=outputs, enable_checkpointing=spec.checkpointing,
+                               **({'checkpoint': self.resume_from.dali} if self.resume_from else {}), **by_batch, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         except DaliReadError:
@@ -337,6 +341,8 @@ class Feed:
                 if o is not None: o.drop()
         self.built = self.pipes.add(BuiltPipeline(pipe, it, plan, log, spec, files, names, source, gather_n))
         self.n_builds += 1
+        if (r := self.resume_from) is not None:   # (DALI's iterator stands where the checkpoint was taken)
+            self.built.epoch,self.built.resumed_at,self.resume_from = r.n_done,r.n_given,None
         del prev
         collect_dropped(gpu=device_id is not None)  # see "Dropped pipelines" (02b_lifetime)
         return self.built
@@ -347,7 +353,7 @@ class Feed:
 
     def ready(self, spec:BuildSpec, get_idxs=None):
         "The pipeline for a new epoch of `spec`: a kept one that can start one, else a new one"
-        b = self.kept(spec)
+        b = None if self.resume_from is not None else self.kept(spec)
         # several shards, shuffled with a seed: a reader's pipeline is built per epoch (see "Shards"); a Python source
         # draws each epoch's permutation itself, from DALI's epoch index, the same on every shard
         if (b is not None and b.source is None and spec.num_shards > 1 and spec.seed_given and spec.shuffle and spec.order is None
@@ -366,6 +372,8 @@ class Feed:
         "The DALI batches of one epoch of `b`, each as `(outputs, k)`: keep its first `k` items"
         spec = b.spec
         left,pos = epoch_items(spec),0  # gathered from every shard, the batches so far held the items up to `pos`
+        self.n_given,b.resumed_at = b.resumed_at,0   # (a pipeline restored mid-epoch: the batches given before the checkpoint)
+        left -= self.n_given*spec.bs; pos += self.n_given*spec.bs*spec.num_shards
         token = b.start_epoch()  # stays in epoch if the consumer abandons it: the next epoch ends it early or rebuilds
         while True:
             try: d = next(b.it)
@@ -385,8 +393,31 @@ class Feed:
             if not k: continue  # drain, but never yield an empty batch
             self.gathered = None if b.gather_n is None else max(0, min(k*spec.num_shards, b.gather_n-pos))
             pos += k*spec.num_shards
+            self.n_given += 1
             yield d[0],k
         b.it.reset()
-        self.n_done += 1  # epochs run to their end: the same count on every shard, whatever one of them abandoned
+        self.n_done,self.n_given = self.n_done+1,0  # epochs run to their end: the same count on every shard, whatever one of them abandoned
         if self.built is b: b.finish_epoch()  # unless another pass replaced the pipeline meanwhile
         del token
+
+# %% ../nbs/03e_feed.ipynb #f0c2
+@dataclass(frozen=True)
+class FeedCheckpoint:
+    "Where a feed stands between two batches: epochs run to their end, batches given of the current one, DALI's checkpoint of the pipeline (bytes)"
+    n_done: int
+    n_given: int
+    dali: bytes
+
+@patch
+def checkpoint(self:Feed):
+    "A `FeedCheckpoint` of this feed as it stands (its pipeline built with `checkpointing`); None before its first batch"
+    b = self.built
+    if b is None: return None
+    if not b.spec.checkpointing: raise ValueError("this loader's pipeline keeps no checkpoints: build it with checkpointing=True")
+    return FeedCheckpoint(self.n_done, self.n_given if b.in_epoch else 0, b.it.checkpoints()[0])
+
+@patch
+def resume(self:Feed, cp:FeedCheckpoint):
+    "Start the next build from `cp` (its spec with `checkpointing`, as the checkpointed one was): its epoch goes on after the checkpoint's batch"
+    self.resume_from,self.n_done,self.n_given = cp,cp.n_done,0
+    self.built = None

@@ -48,10 +48,10 @@ class DaliReport(pd.DataFrame):
 @delegates(TfmdDL.__init__)
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
-    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,host_memory_padding,exact_resize_crop,roi_decode'.split(',')
+    _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,host_memory_padding,exact_resize_crop,roi_decode,checkpointing'.split(',')
     def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
                  shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0, host_memory_padding:int=None,
-                 exact_resize_crop:bool=False, roi_decode:bool=None, **kwargs):
+                 exact_resize_crop:bool=False, roi_decode:bool=None, checkpointing:bool=False, **kwargs):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
@@ -118,7 +118,7 @@ class DaliDL(TfmdDL):
                          num_threads=self.num_threads, prefetch=self.prefetch, hw_decoder_load=self.hw_decoder_load,
                          host_memory_padding=self.host_memory_padding,
                          seed=self.seed, seed_given=self._seed_given, shard_id=self.shard_id, num_shards=self.num_shards,
-                         py_workers=self.py_workers, roi_decode=self.roi_decode, order=self._order,
+                         py_workers=self.py_workers, roi_decode=self.roi_decode, order=self._order, checkpointing=self.checkpointing,
                          item_fs=fs, batch_fs=bfs, ds=self.dataset, n_items=self._n_items())
 
     def __iter__(self):
