@@ -9,7 +9,7 @@ __all__ = []
 # every module, for what importing it registers in fastai_dali itself (the DALI translations of fastai's transforms); each
 # module's own names stay there (`fastai_dali.feed.Feed`)
 from . import (core, transforms, augment, pipeline, lifetime, formats, errors, items, sources, folders, feed, loader,
-                         distributed, data, training, optimizer, graphs, shards, patches)
+                         distributed, data, training, optimizer, graphs, shards, resume, patches)
 # the changes to fastai, listed in `fastai_dali.patches.PATCHES` (and the README): `DataBlock.dali_dataloaders`, the fast
 # path in fastai's `defaults.callbacks`, fastai's distributed hook
 patches.apply_patches()
@@ -24,10 +24,11 @@ from .data import DaliDataLoaders, check_image_folder, ZipMember
 from .training import DeviceLossCallback, DaliFastPathCallback
 from .optimizer import ForeachOptimizer, ForeachAdam, ForeachRAdam, ForeachSGD
 from .graphs import StepGraphCallback, CudaGraphCallback
+from .resume import ResumeCallback
 from .shards import write_shards
 
 __all__ = ['DaliDataLoaders', 'DaliDL', 'DaliReport', 'check_image_folder', 'image_files', 'ZipMember', 'write_shards',
-           'StepGraphCallback', 'CudaGraphCallback', 'DeviceLossCallback', 'DaliFastPathCallback',
+           'StepGraphCallback', 'CudaGraphCallback', 'DeviceLossCallback', 'DaliFastPathCallback', 'ResumeCallback',
            'ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD',
            'DaliReadError', 'DaliPythonError', 'truncated_jpegs', 'unreadable_images',
            'dali_item_tfm', 'dali_batch_tfm', 'set_work_queues',

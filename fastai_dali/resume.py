@@ -11,7 +11,7 @@ from .feed import FeedCheckpoint
 from .loader import DaliDL
 
 # %% auto #0
-__all__ = ['LoaderCheckpoint', 'loader_fingerprint']
+__all__ = ['LoaderCheckpoint', 'loader_fingerprint', 'save_checkpoint', 'load_checkpoint', 'ResumeCallback']
 
 # %% ../nbs/04f_resume.ipynb #r004
 @dataclass(frozen=True)
@@ -27,9 +27,7 @@ def _items_digest(dl:DaliDL):
     if getattr(f, '_digest_of', None) != id(dl.dataset):
         inp = dl.dali_inputs()
         names = inp.names if inp.kind == 'files' else map(repr, dl.dataset.items)
-        h = hashlib.sha1()
-        for n in names: h.update(str(n).encode('utf-8', 'surrogateescape')); h.update(b'\0')
-        f._digest_of,f._digest = id(dl.dataset),h.hexdigest()
+        f._digest_of,f._digest = id(dl.dataset),hashlib.sha1('\0'.join(map(str, names)).encode('utf-8', 'surrogateescape')).hexdigest()
     return f._digest
 
 def loader_fingerprint(dl:DaliDL):
@@ -55,3 +53,139 @@ def resume(self:DaliDL, cp:LoaderCheckpoint):
                          ', '.join(f"{k} ({cp.fingerprint.get(k)!r} there, {fp[k]!r} here)" if k != 'items' else 'its items' for k in diff))
     self.seed = cp.seed
     self.feed.resume(cp.feed)
+
+# %% ../nbs/04f_resume.ipynb #r011
+import io, os, time, random
+from functools import partial
+from fastcore.basics import noop
+from pathlib import Path
+import numpy as np, torch
+from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+
+_MAGIC = b'fastai_dali checkpoint 1\n'
+
+def save_checkpoint(state:dict, fn):
+    "Write `state` to `fn` atomically, with a checksum"
+    fn = Path(fn); fn.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO(); torch.save(state, buf); data = buf.getvalue()
+    tmp = fn.with_name(fn.name + '.tmp')
+    with open(tmp, 'wb') as f:
+        f.write(_MAGIC + hashlib.sha256(data).digest() + data); f.flush(); os.fsync(f.fileno())
+    os.replace(tmp, fn)
+    try:
+        d = os.open(fn.parent, os.O_RDONLY); os.fsync(d); os.close(d)   # (the rename itself on the disk)
+    except OSError: pass
+
+def load_checkpoint(fn):
+    "The state `save_checkpoint` wrote to `fn`; a `ValueError` naming the file where it is not one or is damaged"
+    raw,n = Path(fn).read_bytes(),len(_MAGIC)
+    if not raw.startswith(_MAGIC): raise ValueError(f"{fn}: not a fastai_dali checkpoint")
+    if hashlib.sha256(raw[n+32:]).digest() != raw[n:n+32]: raise ValueError(f"{fn}: damaged (its checksum does not match): not loaded")
+    return torch.load(io.BytesIO(raw[n+32:]), weights_only=False)
+
+# %% ../nbs/04f_resume.ipynb #r014
+def _rng_states():
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+def _set_rng_states(s):
+    random.setstate(s['python']); np.random.set_state(s['numpy']); torch.set_rng_state(s['torch'])
+    if s['cuda'] is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s['cuda'])
+
+class ResumeCallback(Callback):
+    "Save what `learn.fit` needs to go on every `every` training batches and `minutes` (atomically, to `learn.path/learn.model_dir/fname.ckpt`); a fit started where the file is goes on from it"
+    order,run_valid = 95,False   # (after fastai's `TrainEvalCallback`, `DistributedTrainer` and `Recorder`)
+    def __init__(self, fname:str='resume', every:int=None, minutes:float=10., resume:bool=True):
+        store_attr()
+        self.n_fits = 0        # fits of the learner begun in this process
+        self.state = None      # the checkpoint this process goes on from, until it has
+        self.skip_to = None    # (epoch, batch) of this fit where it goes on
+        self.skipped = False   # this epoch (or fit) was one the checkpoint had run: nothing saved at its end
+        self.train_dl = None   # the loader this training phase iterates (a rank's shard under `distrib_ctx`)
+        self.prev_batches = None
+        self.logger = None     # the learner's, while a skipped epoch logs nothing
+    @property
+    def path(self): return self.learn.path/self.learn.model_dir/f'{self.fname}.ckpt'
+
+# %% ../nbs/04f_resume.ipynb #r015
+@patch
+def before_fit(self:ResumeCallback):
+    learn,self.k,self.skip_to,self.skipped = self.learn,self.n_fits,None,False
+    self.n_fits += 1
+    if not isinstance(learn.dls.train, DaliDL): raise TypeError("ResumeCallback: the learner's training loader is not a DaliDL (DaliDataLoaders)")
+    learn.dls.train.checkpointing = True
+    loader_fingerprint(learn.dls.train)   # (its items' digest, once: 0.5 s for 1.28M file names, not paid at a checkpoint)
+    if self.k == 0 and self.resume and self.path.exists(): self.state = load_checkpoint(self.path)
+    s = self.state
+    if s is None: return
+    if s['fit'] < self.k: self.state = None; return   # (gone on from it: this fit is new)
+    learn.model.load_state_dict(s['model'])
+    if s['fit'] > self.k: self.skipped = True; raise CancelFitException   # a fit that ended before the checkpoint's: as it ended
+    learn.opt.load_state_dict(s['opt'])
+    if s['n_epoch'] != learn.n_epoch:
+        raise ValueError(f"ResumeCallback: {self.path} is of a fit of {s['n_epoch']} epochs, this one has {learn.n_epoch}")
+    self.skip_to = (s['epoch'], s['batch'])
+
+@patch
+def before_epoch(self:ResumeCallback):
+    self.skipped = self.skip_to is not None and self.epoch < self.skip_to[0]
+    if self.skipped:   # (the checkpoint's history has its line: none printed for it now)
+        self.logger,self.learn.logger = self.learn.logger,noop
+        raise CancelEpochException
+    if self.skip_to is not None:   # the epoch it goes on in: its training phase starts from the checkpoint
+        self.prev_batches = vars(self.learn).get('all_batches')   # (another callback's, for the fit: put back after)
+        self.learn.all_batches = partial(_resumed_batches, self)
+
+@patch
+def before_train(self:ResumeCallback): self.since,self.t0,self.train_dl = 0,time.monotonic(),self.learn.dl
+
+def _resumed_batches(cb:ResumeCallback):
+    "fastai's `all_batches` for the training phase that goes on from the checkpoint (every `before_train` has run)"
+    learn,s,start = cb.learn,cb.state,cb.skip_to[1]
+    rec = learn.recorder
+    rec.lrs,rec.iters,rec.losses,rec.values = [list(s['recorder'][k]) for k in ('lrs', 'iters', 'losses', 'values')]
+    sl = rec.smooth_loss
+    sl.count,sl.val = s['recorder']['smooth']
+    if hasattr(sl, 'dval'): sl.dval = sl.val.clone() if sl.count else None   # (`DeviceSmoothLoss`' running value)
+    learn.train_iter,learn.pct_train = s['train_iter'],s['pct_train']
+    if s['loader'] is not None: learn.dl.resume(s['loader'])
+    _set_rng_states(s['rng'])
+    cb.skip_to,cb.state = None,None
+    learn.n_iter = len(learn.dl)
+    for i,b in enumerate(learn.dl, start): learn.one_batch(i, b)
+
+@patch
+def after_train(self:ResumeCallback):
+    if isinstance(vars(self.learn).get('all_batches'), partial):
+        if self.prev_batches is None: del self.learn.all_batches
+        else: self.learn.all_batches = self.prev_batches
+
+# %% ../nbs/04f_resume.ipynb #r016
+@patch
+def _save(self:ResumeCallback, fit, epoch, batch, loader):
+    learn,rec = self.learn,self.learn.recorder
+    sl = rec.smooth_loss
+    if hasattr(sl, 'replay'): sl.replay()   # (`DeviceSmoothLoss`: its values on the host)
+    save_checkpoint(dict(fit=fit, epoch=epoch, batch=batch, n_epoch=learn.n_epoch, model=learn.model.state_dict(),
+                         opt=learn.opt.state_dict(), train_iter=learn.train_iter, pct_train=learn.pct_train,
+                         recorder=dict(lrs=list(rec.lrs), iters=list(rec.iters), losses=list(rec.losses), values=list(rec.values),
+                                       smooth=(sl.count, sl.val)),
+                         rng=_rng_states(), loader=loader), self.path)
+    self.since,self.t0 = 0,time.monotonic()
+
+@patch
+def after_batch(self:ResumeCallback):
+    self.since += 1
+    if self.iter >= self.n_iter-1: return   # (the epoch's end is saved after validation: `after_epoch`)
+    if (self.every and self.since >= self.every) or (self.minutes and time.monotonic()-self.t0 >= 60*self.minutes):
+        self._save(self.k, self.epoch, self.iter+1, self.train_dl.checkpoint())
+
+@patch
+def after_epoch(self:ResumeCallback):
+    if self.skipped: self.learn.logger = self.logger
+    if self.skipped or self.train_dl is None: return
+    self._save(self.k, self.epoch+1, 0, self.train_dl.checkpoint() if self.epoch+1 < self.n_epoch else None)
+
+@patch
+def after_fit(self:ResumeCallback):
+    if not self.skipped: self._save(self.k+1, 0, 0, None)

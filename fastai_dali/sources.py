@@ -70,9 +70,19 @@ def _quiet_interrupts():
     if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+def _exit_with_parent():
+    "In a worker process: exit when the process that started it is gone (killed with SIGKILL, it stops no worker itself)"
+    parent = multiprocessing.parent_process()
+    if parent is None or getattr(parent, 'sentinel', None) is None: return
+    from multiprocessing.connection import wait
+    def watch():
+        wait([parent.sentinel])   # (readable once the parent has exited, however)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name='fastai_dali parent watch').start()
+
 def _load_pickled(fn):
     import pickle
-    _quiet_interrupts()
+    _quiet_interrupts(); _exit_with_parent()
     with open(fn, 'rb') as f: cls,state = pickle.load(f)
     res = cls.__new__(cls); res.__dict__.update(state)
     return res
