@@ -58,6 +58,7 @@ def resume(self:DaliDL, cp:LoaderCheckpoint):
 import io, os, time, random
 from functools import partial
 from fastcore.basics import noop
+from fastai.torch_core import num_distrib, rank_distrib
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback, CancelEpochException, CancelFitException
@@ -105,7 +106,10 @@ class ResumeCallback(Callback):
         self.prev_batches = None
         self.logger = None     # the learner's, while a skipped epoch logs nothing
     @property
-    def path(self): return self.learn.path/self.learn.model_dir/f'{self.fname}.ckpt'
+    def path(self):
+        "The checkpoint file (one per process under `distrib_ctx`: each rank's loader is at its own place in its shard)"
+        rank = f'.rank{rank_distrib()}' if num_distrib() > 1 else ''
+        return self.learn.path/self.learn.model_dir/f'{self.fname}{rank}.ckpt'
 
 # %% ../nbs/04f_resume.ipynb #r015
 @patch
