@@ -149,6 +149,10 @@ class BuiltPipeline:
         "Whether the generator of its current epoch is still alive (another pass may be iterating it)"
         return self._live is not None and self._live() is not None
     def finish_epoch(self): self.in_epoch,self.epoch = False,self.epoch+1
+    def per_epoch(self):
+        "Whether each epoch needs a pipeline of its own: several shards of a reader shuffled with a seed (see \"Shards\"; a Python source draws each epoch's permutation itself, from DALI's epoch index, the same on every shard)"
+        s = self.spec
+        return self.source is None and s.num_shards > 1 and s.seed_given and s.shuffle and s.order is None
     def end_early(self):
         "End an abandoned epoch of a Python source (`EpochFlag`), keeping its worker processes; False if it cannot (a reader)"
         if self.source is None or self.source.flag is None: return False
@@ -172,6 +176,9 @@ class PipelineCache:
     def builds_for(self, spec):
         "How many pipelines were built for `spec`'s work in this family, whatever their item order"
         return self._built_for.get(hash(spec.work), 0)
+    def set_builds(self, spec, n:int):
+        "Count `n` builds of `spec`'s work (a feed resumed from a checkpoint: its next build is the checkpointed one's)"
+        self._built_for[hash(spec.work)] = n
     def add(self, b):
         "Keep `b` (in place of one of the same spec), dropping the one used longest ago beyond `size`; count a build"
         self.kept.pop(b.spec, None); self.kept[b.spec] = b
@@ -297,6 +304,7 @@ class Feed:
         # (DALI's reader shuffling: every item in its own place, a `range`, not a list of a million ints)
         idxs = list(order) if order is not None else range(len(inp)) if shuffle else list(get_idxs())
         plan,log,outputs = spec.plan(points=inp.points),L(),[]
+        if self.resume_from is not None: self.pipes.set_builds(spec, self.resume_from.n_built)   # (its seeds as then)
         seeds = BuildSeeds.of(spec, self.pipes.builds_for(spec), self.n_done)
         if inp.masks is not None and (inp.kind == 'python' or plan.fallbacks):
             raise NotImplementedError("masks need image files and item transforms DALI translates (no Python fallback)")
@@ -330,7 +338,8 @@ class Feed:
                                graph_seed=seeds.pipeline, prefetch_queue_depth=spec.prefetch, reader_seed=seeds.reader,
                                hw_decoder_load=spec.hw_decoder_load, host_memory_padding=spec.host_memory_padding,
                                mask_files=lists[1], names=outputs, enable_checkpointing=spec.checkpointing,
-                               **({'checkpoint': self.resume_from.dali} if self.resume_from else {}), **by_batch, **kw)
+                               **({'checkpoint': self.resume_from.dali} if self.resume_from and self.resume_from.dali else {}),
+                               **by_batch, **kw)
         track_pipeline(pipe)
         try: it = _iterator(pipe, outputs, source, files, names, spec.py_workers)
         except DaliReadError:
@@ -354,10 +363,7 @@ class Feed:
     def ready(self, spec:BuildSpec, get_idxs=None):
         "The pipeline for a new epoch of `spec`: a kept one that can start one, else a new one"
         b = None if self.resume_from is not None else self.kept(spec)
-        # several shards, shuffled with a seed: a reader's pipeline is built per epoch (see "Shards"); a Python source
-        # draws each epoch's permutation itself, from DALI's epoch index, the same on every shard
-        if (b is not None and b.source is None and spec.num_shards > 1 and spec.seed_given and spec.shuffle and spec.order is None
-            and (b.epoch or b.in_epoch)): b = None
+        if b is not None and b.per_epoch() and (b.epoch or b.in_epoch): b = None
         if b is not None and b.in_epoch and not b.being_iterated() and not b.end_early(): b = None
         if b is None or b.in_epoch: return self.build(spec, get_idxs)
         self.built = b
@@ -406,7 +412,8 @@ class FeedCheckpoint:
     "Where a feed stands between two batches: epochs run to their end, batches given of the current one, DALI's checkpoint of the pipeline (bytes)"
     n_done: int
     n_given: int
-    dali: bytes
+    dali: bytes|None    # (None between epochs where the next one builds a new pipeline)
+    n_built: int = 0    # builds of the same work before the pipeline's (its seeds derive from it: a pipeline a sharded epoch)
 
 @patch
 def checkpoint(self:Feed):
@@ -414,7 +421,9 @@ def checkpoint(self:Feed):
     b = self.built
     if b is None: return None
     if not b.spec.checkpointing: raise ValueError("this loader's pipeline keeps no checkpoints: build it with checkpointing=True")
-    return FeedCheckpoint(self.n_done, self.n_given if b.in_epoch else 0, b.it.checkpoints()[0])
+    if not b.in_epoch and b.per_epoch():   # (between epochs, where the next one gets a new pipeline: built as it would be)
+        return FeedCheckpoint(self.n_done, 0, None, self.pipes.builds_for(b.spec))
+    return FeedCheckpoint(self.n_done, self.n_given if b.in_epoch else 0, b.it.checkpoints()[0], self.pipes.builds_for(b.spec)-1)
 
 @patch
 def resume(self:Feed, cp:FeedCheckpoint):

@@ -3,7 +3,8 @@
 SOURCE: 'folder' (`from_folder`), 'mixed' (a `get_x` giving each file's bytes) or 'shards' (`from_shards` on ROOT's shards).
 Every training batch goes to OUT/batches.jsonl as it is trained (epoch, iteration, a digest of its images, its labels);
 the final weights to OUT/final.pth. KILL 'E,B': the process kills itself (SIGKILL) after training batch B of epoch E.
-CONTROL=restart in the environment: the loader is not resumed (it restarts its epoch): the control that must differ."""
+CONTROL=restart in the environment: the loader is not resumed (it restarts its epoch): the control that must differ.
+Under torchrun (WORLD_SIZE > 1) the fit runs in `learn.distrib_ctx()`, and each rank writes OUT/batches.rank<r>.jsonl."""
 import hashlib, json, os, signal, sys, warnings
 from pathlib import Path
 warnings.filterwarnings('ignore')
@@ -31,17 +32,21 @@ def main(root, out, source, kill=None):
     root,out = Path(root),Path(out); out.mkdir(parents=True, exist_ok=True)
     set_seed(0, reproducible=True)   # (the run it is compared with: the same seeds)
     if os.environ.get('CONTROL') == 'restart': DaliDL.resume = lambda self, cp: None
-    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8, device='cpu')
+    world,rank = int(os.environ.get('WORLD_SIZE', 1)),int(os.environ.get('RANK', 0))
+    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8 if world == 1 else 4, device='cpu')   # (5 batches a rank)
     if source == 'folder': dls = DaliDataLoaders.from_folder(root, **kw)
     elif source == 'mixed':
         blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=lambda f: Path(f).read_bytes(),
                         get_y=parent_label, splitter=GrandparentSplitter(), item_tfms=kw.pop('item_tfms'), batch_tfms=kw.pop('batch_tfms'))
         dls = DaliDataLoaders.from_dblock(blk, root, py_workers=0, **kw)
     else: dls = DaliDataLoaders.from_shards(str(root/'shards'/'train'/'*.tar'), valid=str(root/'shards'/'valid'/'*.tar'), **kw)
-    cbs = [ResumeCallback(every=3), Record(out/"batches.jsonl")]
+    cbs = [ResumeCallback(every=3), Record(out/(f'batches.rank{rank}.jsonl' if world > 1 else 'batches.jsonl'))]
     if kill: cbs.append(Kill(tuple(int(v) for v in kill.split(','))))
     learn = vision_learner(dls, resnet18, pretrained=False, cbs=cbs, path=out)
-    with learn.no_bar(): learn.fit_one_cycle(3, 1e-3)
-    torch.save(learn.model.state_dict(), out/'final.pth')
+    with learn.no_bar():
+        if world > 1:
+            with learn.distrib_ctx(sync_bn=False): learn.fit_one_cycle(3, 1e-3)   # (SyncBatchNorm needs a GPU)
+        else: learn.fit_one_cycle(3, 1e-3)
+    if rank == 0: torch.save(learn.model.state_dict(), out/'final.pth')
 
 if __name__ == '__main__': main(*sys.argv[1:])

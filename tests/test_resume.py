@@ -46,3 +46,28 @@ def test_control_restarting_the_epoch_differs(root, tmp_path):
     a,b = records(tmp_path/'ref'),records(tmp_path/'run')[n_before:]
     assert b != a[len(a)-len(b):]
     assert not same_weights(weights(tmp_path/'run'), weights(tmp_path/'ref'))
+
+def run_ranks(root, out, kill=None, **env):
+    "The script under torchrun on 2 CPU processes (gloo): its exit code"
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', str(SCRIPT), str(root), str(out), 'folder'] + ([kill] if kill else [])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', **env})
+
+@pytest.fixture(scope='module')
+def two_ranks_ref(root, tmp_path_factory):
+    pytest.importorskip('accelerate')
+    out = tmp_path_factory.mktemp('ranks_ref')
+    ref = run_ranks(root, out); assert ref.returncode == 0, ref.stderr[-3000:]
+    return out
+
+@pytest.mark.parametrize('kill,at', [('1,3', [1, 3]), ('1,0', [1, 0])])   # (mid-epoch; right after an epoch's end)
+def test_two_ranks_killed_and_resumed(root, two_ranks_ref, tmp_path, kill, at):
+    "Under `distrib_ctx` on 2 CPU ranks: each rank goes on from its own checkpoint, with its batches as uninterrupted (every item once an epoch, as `test_distributed.py` checks of those)"
+    killed = run_ranks(root, tmp_path/'run', kill=kill); assert killed.returncode != 0
+    n_before = {r: len((tmp_path/'run'/f'batches.rank{r}.jsonl').read_text().splitlines()) for r in (0, 1)}
+    again = run_ranks(root, tmp_path/'run'); assert again.returncode == 0, again.stderr[-3000:]
+    for r in (0, 1):
+        a = [json.loads(l) for l in (two_ranks_ref/f'batches.rank{r}.jsonl').read_text().splitlines()]
+        b = [json.loads(l) for l in (tmp_path/'run'/f'batches.rank{r}.jsonl').read_text().splitlines()][n_before[r]:]
+        assert b and b[0][:2] == at and b == a[len(a)-len(b):], (r, b[:2])
+    assert same_weights(weights(tmp_path/'run'), weights(two_ranks_ref))
