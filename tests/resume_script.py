@@ -4,6 +4,7 @@ SOURCE: 'folder' (`from_folder`), 'mixed' (a `get_x` giving each file's bytes) o
 Every training batch goes to OUT/batches.jsonl as it is trained (epoch, iteration, a digest of its images, its labels);
 the final weights to OUT/final.pth. KILL 'E,B': the process kills itself (SIGKILL) after training batch B of epoch E.
 CONTROL=restart in the environment: the loader is not resumed (it restarts its epoch): the control that must differ.
+FIT=fine_tune in the environment: `learn.fine_tune(2, freeze_epochs=1)` (two fits) instead of `fit_one_cycle(3)`.
 Under torchrun (WORLD_SIZE > 1) the fit runs in `learn.distrib_ctx()`, and each rank writes OUT/batches.rank<r>.jsonl."""
 import hashlib, json, os, signal, sys, warnings
 from pathlib import Path
@@ -46,6 +47,7 @@ def main(root, out, source, kill=None):
     with learn.no_bar():
         if world > 1:
             with learn.distrib_ctx(sync_bn=False): learn.fit_one_cycle(3, 1e-3)   # (SyncBatchNorm needs a GPU)
+        elif os.environ.get('FIT') == 'fine_tune': learn.fine_tune(2, 1e-3, freeze_epochs=1)
         else: learn.fit_one_cycle(3, 1e-3)
     if rank == 0: torch.save(learn.model.state_dict(), out/'final.pth')
 
