@@ -4,7 +4,7 @@ SOURCE: 'folder' (`from_folder`), 'mixed' (a `get_x` giving each file's bytes) o
 Every training batch goes to OUT/batches.jsonl as it is trained (epoch, iteration, a digest of its images, its labels);
 the final weights to OUT/final.pth. KILL 'E,B': the process kills itself (SIGKILL) after training batch B of epoch E.
 CONTROL=restart in the environment: the loader is not resumed (it restarts its epoch): the control that must differ.
-FIT=fine_tune in the environment: `learn.fine_tune(2, freeze_epochs=1)` (two fits) instead of `fit_one_cycle(3)`.
+DEVICE=cuda in the environment: the loaders (and the fit) on the GPU. FIT=fine_tune: `learn.fine_tune(2, freeze_epochs=1)` (two fits) instead of `fit_one_cycle(3)`.
 Under torchrun (WORLD_SIZE > 1) the fit runs in `learn.distrib_ctx()`, and each rank writes OUT/batches.rank<r>.jsonl."""
 import hashlib, json, os, signal, sys, warnings
 from pathlib import Path
@@ -34,7 +34,8 @@ def main(root, out, source, kill=None):
     set_seed(0, reproducible=True)   # (the run it is compared with: the same seeds)
     if os.environ.get('CONTROL') == 'restart': DaliDL.resume = lambda self, cp: None
     world,rank = int(os.environ.get('WORLD_SIZE', 1)),int(os.environ.get('RANK', 0))
-    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8 if world == 1 else 4, device='cpu')   # (5 batches a rank)
+    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8 if world == 1 else 4,
+              device=os.environ.get('DEVICE', 'cpu'))   # (5 batches a rank)
     if source == 'folder': dls = DaliDataLoaders.from_folder(root, **kw)
     elif source == 'mixed':
         blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=lambda f: Path(f).read_bytes(),
