@@ -34,8 +34,8 @@ def main(root, out, source, kill=None):
     set_seed(0, reproducible=True)   # (the run it is compared with: the same seeds)
     if os.environ.get('CONTROL') == 'restart': DaliDL.resume = lambda self, cp: None
     world,rank = int(os.environ.get('WORLD_SIZE', 1)),int(os.environ.get('RANK', 0))
-    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8 if world == 1 else 4,
-              device=os.environ.get('DEVICE', 'cpu'))   # (5 batches a rank)
+    kw = dict(item_tfms=RandomResizedCrop(32, min_scale=0.5), batch_tfms=[Flip(p=0.5), Normalize.from_stats(*imagenet_stats)], bs=8 if world == 1 else 4,   # (2 ranks: 5 batches each)
+              device=os.environ.get('DEVICE', 'cpu'))
     if source == 'folder': dls = DaliDataLoaders.from_folder(root, **kw)
     elif source == 'mixed':
         blk = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_x=lambda f: Path(f).read_bytes(),
