@@ -258,6 +258,7 @@ class Feed:
         self.n_done = 0          # epochs run to their end (the same count on every shard)
         self.n_given = 0         # batches given of the epoch under way (0 between epochs)
         self.resume_from = None  # a `FeedCheckpoint` the next build starts from (`resume`), until that build
+        self.digest = None       # (id of a dataset, a digest of its items): what a checkpoint's fingerprint reads, once
         self.gathered = None     # items of the last batch to keep once gathered from every shard (None: all)
         self.inputs,self.inputs_of = None,None  # the `DaliInputs` of the dataset with id `inputs_of`
         self.targets_on = {}     # the inputs' targets, moved to each device DALI delivers on

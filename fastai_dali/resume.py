@@ -24,11 +24,11 @@ class LoaderCheckpoint:
 def _items_digest(dl:DaliDL):
     "A digest of the loader's items as DALI reads them (the files' names, or the items' reprs), once per dataset"
     f = dl.feed
-    if getattr(f, '_digest_of', None) != id(dl.dataset):
+    if f.digest is None or f.digest[0] != id(dl.dataset):
         inp = dl.dali_inputs()
         names = inp.names if inp.kind == 'files' else map(repr, dl.dataset.items)
-        f._digest_of,f._digest = id(dl.dataset),hashlib.sha1('\0'.join(map(str, names)).encode('utf-8', 'surrogateescape')).hexdigest()
-    return f._digest
+        f.digest = id(dl.dataset),hashlib.sha1('\0'.join(map(str, names)).encode('utf-8', 'surrogateescape')).hexdigest()
+    return f.digest[1]
 
 def loader_fingerprint(dl:DaliDL):
     "What a checkpoint of `dl` may only be resumed on: its items, their number, its batching, sharding and transforms"
@@ -99,6 +99,8 @@ class ResumeCallback(Callback):
     def __init__(self, fname:str='resume', every:int=None, minutes:float=10., resume:bool=True):
         store_attr()
         self.n_fits = 0        # fits of the learner begun in this process
+        self.k = 0             # the index of the fit under way among them
+        self.since,self.t0 = 0,time.monotonic()   # training batches and the time since the last save
         self.state = None      # the checkpoint this process goes on from, until it has
         self.skip_to = None    # (epoch, batch) of this fit where it goes on
         self.skipped = False   # this epoch (or fit) was one the checkpoint had run: nothing saved at its end
