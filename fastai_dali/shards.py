@@ -22,6 +22,7 @@ from fastai.vision.data import ImageBlock
 from .core import *
 from .dirs import cache_home
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
+from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open
 from .data import *
 
 # %% auto #0
@@ -43,6 +44,7 @@ class TarSample:
     size: int
     label: str|None = field(default=None, compare=False, repr=False)  # (not part of what the sample is)
     label_ext: str|None = field(default=None, compare=False, repr=False)  # the member `label` was read from
+    etag: str|None = field(default=None, compare=False, repr=False)  # a shard in object storage: the version it was indexed from
     def __repr__(self): return f'{self.tar}:{self.key}.{self.ext}'
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
@@ -58,6 +60,8 @@ class TarSamples:
         (self.tars,tar),(self.exts,ext),keys = codes(col('tar')),codes(col('ext')),col('key')
         self.tar,self.ext = np.fromiter(tar, np.int32, n),np.fromiter(ext, np.int16, n)
         self.offset,self.size = (np.fromiter(map(attrgetter(a), samples), np.int64, n) for a in ('offset', 'size'))
+        etag_of = dict(zip(map(attrgetter('tar'), samples), map(attrgetter('etag'), samples)))
+        self.etags = [etag_of[t] for t in self.tars]   # (per shard: None on a local disk)
         self.keys = '\n'.join(keys)   # (a key holds no white space: see `ShardIndex.scan`)
         self.starts = np.concatenate([[0], np.cumsum(np.fromiter(map(len, keys), np.int64, n) + 1)]).astype(np.int64)
     def __len__(self): return len(self.offset)
@@ -68,7 +72,7 @@ class TarSamples:
 
 def read_sample(o):
     "`get_x` of shards: the encoded image of a `TarSample` (a file path's bytes; anything else, e.g. a `PILImage`, as it is)"
-    if isinstance(o, TarSample): return read_member(o.tar, o.offset, o.size, o)
+    if isinstance(o, TarSample): return read_member(o.tar, o.offset, o.size, o, o.etag)
     return Path(o).read_bytes() if isinstance(o, (str, Path)) else o
 
 def _shard_source(items, mode):
@@ -82,6 +86,15 @@ def _split_name(name):
     "A member's (key, extension): the extension starts at the first dot of the file name (WebDataset's rule)"
     d = name.find('.', name.rfind('/') + 1)
     return (name, '') if d < 0 else (name[:d], name[d+1:])
+
+def _sample_member(tar, name):
+    "The (key, extension) of member `name` of `tar` where it is a sample's member (None: a hidden file, no extension)"
+    key,ext = _split_name(name)
+    base = key.rsplit('/', 1)[-1]
+    if not base or base.startswith('.') or not ext: return None
+    if any(c.isspace() for c in name):
+        raise ValueError(f"{tar}: member {name!r} has white space in its name, which DALI's index format cannot hold")
+    return key,ext.lower()
 
 def _tarfile_members(tar):
     "(name, data offset, size) of each regular member of `tar`, as Python's `tarfile` reads them (ustar, GNU and PAX)"
@@ -144,8 +157,9 @@ def _dali_index(idx):
 
 class ShardIndex:
     "The samples of one tar shard, in the tar's order: each key's members `{ext: (offset, size)}` (read from DALI's index file `idx` when first asked for), the text of its small label members, and the columns of its images (`ShardImages`)"
-    def __init__(self, tar, samples:dict|None, texts:dict, size:int=None, mtime_ns:int=None, images:ShardImages=None, idx=None):
-        store_attr('tar,texts,size,mtime_ns,idx')
+    def __init__(self, tar, samples:dict|None, texts:dict, size:int=None, mtime_ns:int=None, images:ShardImages=None, idx=None,
+                 etag:str=None):
+        store_attr('tar,texts,size,mtime_ns,idx,etag')   # (`etag`: a shard in object storage, where `mtime_ns` is None)
         self._samples,self._images = samples,images
     @property
     def samples(self):
@@ -161,40 +175,57 @@ class ShardIndex:
     def scan(cls, tar, fast=True):
         "Index `tar` by walking its headers (plain ustar ones read directly when `fast`, else `tarfile`: ustar, GNU and PAX), reading its label members' text"
         tar = str(tar)
+        if is_s3(tar): return cls.scan_object(tar)
         st = os.stat(tar)
         members = (_ustar_members(tar, st.st_size) if fast else None) or _tarfile_members(tar)
         samples,texts = {},{}
         with open(tar, 'rb') as f:
             for name,offset,size in members:
-                key,ext = _split_name(name)
-                base = key.rsplit('/', 1)[-1]
-                if not base or base.startswith('.') or not ext: continue  # hidden files, no extension: not sample members
-                if any(c.isspace() for c in name):
-                    raise ValueError(f"{tar}: member {name!r} has white space in its name, which DALI's index format cannot hold")
-                ext = ext.lower()
+                if (m := _sample_member(tar, name)) is None: continue
+                key,ext = m
                 samples.setdefault(key, {})[ext] = (offset, size)
                 if ext in LABEL_EXTS and size <= _TEXT_MAX:
                     texts.setdefault(key, {})[ext] = os.pread(f.fileno(), size, offset).decode('utf-8', 'replace')
         return cls(tar, samples, texts, st.st_size, st.st_mtime_ns)
 
+    @classmethod
+    def scan_object(cls, tar):
+        "Index the shard `tar` in object storage (`s3://...`) as `scan` does, reading the object once, as a stream"
+        size,etag = s3_head(tar)
+        samples,texts = {},{}
+        try:
+            with tarfile.open(fileobj=s3_open(tar, etag), mode='r|') as tf:
+                for m in tf:
+                    if not m.isreg() or (km := _sample_member(tar, m.name)) is None: continue
+                    key,ext = km
+                    samples.setdefault(key, {})[ext] = (m.offset_data, m.size)
+                    if ext in LABEL_EXTS and m.size <= _TEXT_MAX: texts.setdefault(key, {})[ext] = tf.extractfile(m).read().decode('utf-8', 'replace')
+        except tarfile.ReadError as e: raise ValueError(f"{tar}: not a whole tar archive ({e}); a shard must be an uncompressed tar") from None
+        return cls(tar, samples, texts, size, etag=etag)
+
     def write(self, idx):
         "Write the index to `idx` in DALI's format (for `fn.readers.webdataset`), and its sidecar `idx.json` (the tar's size and time, the label texts, the images' columns)"
         idx = Path(idx)
         lines = [f'v1.2 {len(self.samples)}'] + [' '.join(f'{e} {o} {s} {k}.{e}' for e,(o,s) in c.items()) for k,c in self.samples.items()]
-        side = dict(tar_size=self.size, tar_mtime_ns=self.mtime_ns, by='fastai_dali', samples=len(self.samples), texts=self.texts,
-                    images=self.images.as_dict())
+        side = dict(tar_size=self.size, tar_mtime_ns=self.mtime_ns, tar_etag=self.etag, by='fastai_dali', samples=len(self.samples),
+                    texts=self.texts, images=self.images.as_dict())
         tmp = idx.with_name(idx.name + f'.{os.getpid()}.tmp')
         tmp.write_text('\n'.join(lines) + '\n'); os.replace(tmp, idx)
         tmp.write_text(json.dumps(side)); os.replace(tmp, idx.with_name(idx.name + '.json'))
 
     @classmethod
     def read(cls, tar, idx):
-        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size, mtime); DALI's index file itself is read only if its `samples` are asked for"
+        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size, mtime; in object storage size, ETag); DALI's index file itself is read only if its `samples` are asked for"
         idx = Path(idx); side = idx.with_name(idx.name + '.json')
-        try: meta = json.loads(side.read_text()); st = os.stat(tar)
+        try: meta = json.loads(side.read_text())
         except (OSError, ValueError): return None
-        if meta.get('by') != 'fastai_dali' or (meta['tar_size'], meta['tar_mtime_ns']) != (st.st_size, st.st_mtime_ns): return None
-        res = cls(str(tar), None, meta['texts'], st.st_size, st.st_mtime_ns, idx=idx)
+        if is_s3(str(tar)): (size,etag),mtime = s3_head(str(tar)),None   # (the object's own errors: missing, refused, ...)
+        else:
+            try: st = os.stat(tar)
+            except OSError: return None
+            size,mtime,etag = st.st_size,st.st_mtime_ns,None
+        if meta.get('by') != 'fastai_dali' or (meta['tar_size'], meta['tar_mtime_ns'], meta.get('tar_etag')) != (size, mtime, etag): return None
+        res = cls(str(tar), None, meta['texts'], size, mtime, idx=idx, etag=etag)
         if 'images' in meta: res._images = ShardImages(**meta['images'])  # (a sidecar of an earlier version: from DALI's file)
         if not idx.exists(): return None   # (DALI's file gone)
         try: n = len(res)
@@ -204,28 +235,41 @@ class ShardIndex:
 
 # %% ../nbs/04d_shards.ipynb #c011
 def shard_paths(paths):
-    "The tar files named by `paths`: paths, glob patterns, or folders (their `*.tar`); sorted within each pattern or folder"
+    "The tar files named by `paths`: paths, glob patterns, brace patterns (`{00000..00255}.tar`), or folders (their `*.tar`), on a disk or in object storage (`s3://bucket/...`); sorted within each glob or folder"
     res = []
     for p in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
         p = str(p)
-        if os.path.isdir(p): found = sorted(glob(os.path.join(glob_escape(p), '*.tar')))
-        elif any(c in p for c in '*?['): found = sorted(glob(p))
-        else: found = [p] if os.path.exists(p) else []
-        if not found: raise FileNotFoundError(f"no shards found at {p!r} (a .tar file, a glob such as 'data/train-*.tar', or a folder of .tar files)")
-        res += found
+        if is_s3(p): res += _object_paths(p); continue
+        for q in expand_braces(p):
+            if os.path.isdir(q): found = sorted(glob(os.path.join(glob_escape(q), '*.tar')))
+            elif any(c in q for c in '*?['): found = sorted(glob(q))
+            else: found = [q] if os.path.exists(q) else []
+            if not found: raise FileNotFoundError(f"no shards found at {q!r} (a .tar file, a glob such as 'data/train-*.tar', or a folder of .tar files)")
+            res += found
     return res
 
+def _object_paths(p):
+    "`shard_paths` of one `s3://` pattern: a brace pattern's objects checked with one listing of each folder, not a request each"
+    qs = expand_braces(p)
+    if len(qs) == 1 or any(c in p for c in '*?['): return [o for q in qs for o in s3_list(q)]
+    have = {o for d in dict.fromkeys(q.rsplit('/', 1)[0] for q in qs) for o in s3_list(d + '/*')}
+    if missing := [q for q in qs if q not in have]:
+        raise FileNotFoundError(f"{missing[0]}: no such object ({len(missing)} of the {len(qs)} shards of {p!r} are missing)")
+    return qs
+
 def _index_path(tar, cache_dir=None):
-    "Where the index of `tar` goes: next to it (`00000.idx`), or in `cache_dir` under a name made from its full path"
+    "Where the index of `tar` goes: next to it (`00000.idx`), or in `cache_dir` under a name made from its full path (an object's: always in the cache)"
+    import hashlib
+    if is_s3(str(tar)):
+        return Path(cache_dir or cache_home('shards'))/'s3'/f"{Path(str(tar)).stem}-{hashlib.sha1(str(tar).encode()).hexdigest()[:12]}.idx"
     t = Path(tar)
     if cache_dir is None: return t.with_suffix('.idx')
-    import hashlib
     return Path(cache_dir)/f"{t.stem}-{hashlib.sha1(str(t.resolve()).encode()).hexdigest()[:12]}.idx"
 
 
 def _load_index(tar, cache_dir):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
-    places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
+    places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir or is_s3(tar) else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
     for p in places:
         if (ix := ShardIndex.read(tar, p)) is not None: return ix,False
     stale = any(p.with_name(p.name + '.json').exists() for p in places)
@@ -273,7 +317,7 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
         # one string of each label text (a thousand of them), not one a sample (a million)
         labels = [memo.setdefault(v, v) if (t := texts.get(k)) is not None and (v := t.get(label)) is not None else None for k in im.keys]
         # (a million samples: `map` makes them without a Python loop of ours)
-        res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label))
+        res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label), repeat(ix.etag))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
     return L(res)
 
@@ -315,7 +359,13 @@ class ShardLabel:
 
 # %% ../nbs/04d_shards.ipynb #c018
 def _vocab_file(tars):
-    "The `vocab.json` in a shard's folder or the folder above it (as `write_shards` leaves it), or None"
+    "The `vocab.json` in a shard's folder or the folder above it (as `write_shards` leaves it; in object storage too), or None"
+    if is_s3(tars[0]):
+        d = tars[0].rsplit('/', 1)[0]
+        for p in (d, d.rsplit('/', 1)[0]) if d.count('/') > 2 else (d,):   # (a bucket's top: no folder above)
+            try: return json.loads(s3_open(p + '/vocab.json').read())
+            except FileNotFoundError: continue
+        return None
     for p in (Path(tars[0]).parent, Path(tars[0]).parent.parent):
         if (p/'vocab.json').exists(): return json.loads((p/'vocab.json').read_text())
 

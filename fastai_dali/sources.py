@@ -134,8 +134,11 @@ def _fd(path):
     _fds[k] = fd  # (used last: at the end)
     return fd
 
-def read_member(tar, offset:int, size:int, name):
-    "The `size` bytes at `offset` of the tar shard `tar` (`name`: the sample, in errors)"
+def read_member(tar, offset:int, size:int, name, etag:str=None):
+    "The `size` bytes at `offset` of the tar shard `tar`: a path, or an `s3://` object read only while it has `etag` (`storage`); `name`: the sample, in errors"
+    if tar.startswith('s3://'):
+        from .storage import s3_read
+        return s3_read(tar, offset, size, etag)
     b = os.pread(_fd(tar), size, offset)
     if len(b) != size: raise OSError(f"{name}: the shard ends {size-len(b)} bytes before this member does (truncated?)")
     return b
@@ -172,6 +175,7 @@ class ShardSource:
     def __init__(self, samples, mode='RGB', load_truncated=None):
         self.__dict__.update(vars(samples))  # (numbers and strings: a worker needs no class of fastai_dali.shards)
         self.mode,self.load_truncated = mode,_load_truncated(load_truncated)
+        self.remote = any(t.startswith('s3://') for t in self.tars)   # (in object storage: a batch's reads go together)
     def __len__(self): return len(self.offset)
     def item_name(self, i):
         "Sample `i` as a `TarSample` names itself: its shard, key and extension"
@@ -180,8 +184,16 @@ class ShardSource:
     def encoded(self, i):
         "The encoded image of sample `i`"
         i = int(i)
-        return read_member(self.tars[self.tar[i]], int(self.offset[i]), int(self.size[i]), self.item_name(i))
+        t = self.tar[i]
+        return read_member(self.tars[t], int(self.offset[i]), int(self.size[i]), self.item_name(i), self.etags[t])
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
+    def many(self, idx):
+        "The checked images of items `idx`; from object storage, their reads in flight together (`s3_read_many`)"
+        if not self.remote: return [self[i] for i in idx]
+        from .storage import s3_read_many
+        idx = [int(i) for i in idx]
+        enc = s3_read_many([(self.tars[t], int(self.offset[i]), int(self.size[i]), self.etags[t]) for i in idx for t in [self.tar[i]]])
+        return [checked_image(b, (lambda i=i: self.name(i)), self.mode, self.load_truncated) for i,b in zip(idx, enc)]
 
 # %% ../nbs/03c_sources.ipynb #6a4f0180
 class PackedPaths:
@@ -220,7 +232,8 @@ class EpochSource(_PickledInFile):
         return o[np.minimum(np.arange(start, min(start+self.bs, self.n_serve)), len(o)-1)].astype(np.int64)
     def __call__(self, bi):
         idx = self.items(bi)
-        return *pack_bytes([self.src[int(i)] for i in idx]),idx
+        xs = self.src.many(idx) if hasattr(self.src, 'many') else [self.src[int(i)] for i in idx]
+        return *pack_bytes(xs),idx
 
 
 # %% ../nbs/03c_sources.ipynb #7a931982

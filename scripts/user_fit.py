@@ -75,6 +75,13 @@ def one_row(row, root, arch, epochs, trace):
         def after_train(self):
             sync(); s = time.perf_counter()-self.t0
             self.ips.append(self.n/s); self.secs.append(s)
+    class FirstBatches(Callback):
+        "The first epoch's first training batches: seconds from the phase's start to the end of each (where a warm first epoch's cost lies)"
+        order = 100
+        def before_train(self):
+            if self.epoch == 0: sync(); self.t0,self.ends = time.perf_counter(),[]
+        def after_batch(self):
+            if self.training and self.epoch == 0 and self.iter < 8: sync(); self.ends.append(round(time.perf_counter()-self.t0, 3))
     class NoValid(Callback):
         def before_validate(self): raise CancelValidException()
     class Trace(Callback):
@@ -99,7 +106,7 @@ def one_row(row, root, arch, epochs, trace):
     else:
         learn.to_bf16()
         learn.model.to(memory_format=torch.channels_last)
-    timer = Timer(); cbs = [timer] + ([NoValid()] if row in ('no_valid', 'bench') else []) + ([Trace()] if trace else [])
+    timer,first = Timer(),FirstBatches(); cbs = [timer, first] + ([NoValid()] if row in ('no_valid', 'bench') else []) + ([Trace()] if trace else [])
     bar = row not in ('no_bar', 'bench', 'defaults_no_bar')
     t0 = time.perf_counter()
     if row == 'bench':
@@ -111,7 +118,16 @@ def one_row(row, root, arch, epochs, trace):
         ips = timer.ips
     return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=timer.secs, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
                 fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
-                CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), queues_warning=queues_warning)
+                CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), queues_warning=queues_warning,
+                first_batches_s=first.ends, compile=_compile_stats())
+
+def _compile_stats():
+    "torch.compile's own account of the process: seconds per phase, and its caches' hits and misses"
+    try:
+        from torch._dynamo.utils import compile_times, counters
+        return dict(times=compile_times(repr='str', aggregate=True)[-1500:],
+                    caches={k: dict(v) for k,v in counters.items() if k in ('inductor', 'aot_autograd') and v} )
+    except Exception as e: return repr(e)
 
 def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
     os.makedirs(out, exist_ok=True)
