@@ -4,7 +4,7 @@
 
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
-import collections, io, itertools, json, os, tarfile, warnings, mmap, contextlib
+import collections, io, itertools, json, os, tarfile, warnings, mmap, contextlib, shutil, tempfile
 from itertools import repeat
 from operator import attrgetter
 import multiprocessing
@@ -22,7 +22,7 @@ from fastai.vision.data import ImageBlock
 from .core import *
 from .dirs import cache_home
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
-from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open
+from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open, s3_put, s3_upload
 from .data import *
 
 # %% auto #0
@@ -99,8 +99,15 @@ def _sample_member(tar, name):
 def _tarfile_members(tar):
     "(name, data offset, size) of each regular member of `tar`, as Python's `tarfile` reads them (ustar, GNU and PAX)"
     try:
-        with tarfile.open(tar, 'r:') as tf: return [(m.name, m.offset_data, m.size) for m in tf if m.isreg()]
+        with tarfile.open(tar, 'r:') as tf: res,end = [(m.name, m.offset_data, m.size) for m in tf if m.isreg()],tf.offset
     except tarfile.ReadError as e: raise ValueError(f"{tar}: not a tar archive ({e}); a shard must be an uncompressed tar") from None
+    _check_whole(tar, os.path.getsize(tar), end)
+    return res
+
+def _check_whole(tar, size, end):
+    "Raise where `tar` (`size` bytes) ends before the end-of-archive block expected at `end`: cut short at a member's edge, `tarfile` itself reads it as whole"
+    if size < end + 512:
+        raise ValueError(f"{tar}: truncated: it ends at byte {size}, before the end-of-archive block a tar ends with (at {end}); write or copy the shard again")
 
 _ZERO = bytes(512)
 
@@ -200,7 +207,9 @@ class ShardIndex:
                     key,ext = km
                     samples.setdefault(key, {})[ext] = (m.offset_data, m.size)
                     if ext in LABEL_EXTS and m.size <= _TEXT_MAX: texts.setdefault(key, {})[ext] = tf.extractfile(m).read().decode('utf-8', 'replace')
+                end = tf.offset
         except tarfile.ReadError as e: raise ValueError(f"{tar}: not a whole tar archive ({e}); a shard must be an uncompressed tar") from None
+        _check_whole(tar, size, end)
         return cls(tar, samples, texts, size, etag=etag)
 
     def write(self, idx):
@@ -239,7 +248,9 @@ def shard_paths(paths):
     res = []
     for p in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
         p = str(p)
-        if is_s3(p): res += _object_paths(p); continue
+        if is_s3(p):
+            if not (found := _object_paths(p)): raise FileNotFoundError(f"no shards found at {p!r} (an s3:// object, a glob such as 's3://bucket/train-*.tar', a brace pattern, or a folder of .tar objects)")
+            res += found; continue
         for q in expand_braces(p):
             if os.path.isdir(q): found = sorted(glob(os.path.join(glob_escape(q), '*.tar')))
             elif any(c in q for c in '*?['): found = sorted(glob(q))
@@ -411,15 +422,18 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
 
 # %% ../nbs/04d_shards.ipynb #c022
 def _write_shard(job):
-    "Write shard `path` of the samples `rows` (key, file, class index), through a temporary name (a stopped run leaves no half shard); `job` = (path, rows): a worker process's task"
+    "Write shard `path` of the samples `rows` (key, file, class index), through a temporary name (a stopped run leaves no half shard; an `s3://` shard is uploaded from it); `job` = (path, rows): a worker process's task"
     path,rows = job
-    path = Path(path); tmp = path.with_name(path.name + f'.{os.getpid()}.tmp')
+    remote = is_s3(str(path))
+    tmp = Path(tempfile.mkdtemp(prefix='fastai_dali_shard_'))/'shard.tar' if remote else Path(path).with_name(Path(path).name + f'.{os.getpid()}.tmp')
     with tarfile.open(tmp, 'w', format=tarfile.PAX_FORMAT) as tf:
         for key,f,y in rows:
             for name,data in ((f'{key}{Path(f).suffix.lower()}', Path(f).read_bytes()), (f'{key}.cls', str(y).encode())):
                 ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
                 tf.addfile(ti, io.BytesIO(data))
-    os.replace(tmp, path)
+    if not remote: os.replace(tmp, path); return path
+    try: s3_upload(tmp, path)
+    finally: shutil.rmtree(tmp.parent)
     return path
 
 PARALLEL_MIN = 20_000  # files from which `write_shards` writes shards in worker processes (below it their start costs more)
@@ -438,25 +452,29 @@ def _shard_procs(procs, n_files, n_shards):
     return n
 
 def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', progress:bool=True, procs:int=None):
-    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}`: their paths by split"
+    "Write the ImageNet-style `folder` as WebDataset shards of `per_shard` samples under `out/{train,valid}` (a folder, or `s3://bucket/prefix`): their paths by split"
     # (`.cls` labels indexing `out/vocab.json`; in `procs` processes, None: the cores, from `PARALLEL_MIN` files)
     from fastai.data.transforms import get_image_files
     from fastprogress.fastprogress import progress_bar
     if per_shard < 1: raise ValueError(f"per_shard={per_shard}: must be >= 1")
-    folder,out = Path(folder),Path(out)
+    folder,remote = Path(folder),is_s3(str(out))
+    out = str(out).rstrip('/') if remote else Path(out)   # (`s3://bucket/prefix`: each shard uploaded once written)
     check_image_folder(folder, [train, valid])
     files = {s: get_image_files(folder, folders=[s]) for s in (train, valid)}
     vocab = sorted({f.parent.name for f in files[train]})
     o2i = {v:i for i,v in enumerate(vocab)}
     if missing := sorted({f.parent.name for f in files[valid]} - set(vocab)):
         raise ValueError(f"{folder/valid}: classes {missing} are not in {folder/train}; fastai's vocab comes from the training set")
-    out.mkdir(parents=True, exist_ok=True)
-    (out/'vocab.json').write_text(json.dumps(vocab))
+    if remote: s3_put(f'{out}/vocab.json', json.dumps(vocab).encode())
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out/'vocab.json').write_text(json.dumps(vocab))
+        for s in files: (out/s).mkdir(parents=True, exist_ok=True)
+    at = (lambda s,k: f'{out}/{s}/{k:05d}.tar') if remote else (lambda s,k: out/s/f'{k:05d}.tar')
     # each shard's samples: keys numbered within the split, in fastai's order (the same shards whatever the processes)
     splits = [s for s,fs in files.items() for _ in range(0, len(fs), per_shard)]
-    jobs = [(out/s/f'{j//per_shard:05d}.tar', [(f'{i:08d}', str(f), o2i[f.parent.name]) for i,f in enumerate(fs[j:j+per_shard], j)])
+    jobs = [(at(s, j//per_shard), [(f'{i:08d}', str(f), o2i[f.parent.name]) for i,f in enumerate(fs[j:j+per_shard], j)])
             for s,fs in files.items() for j in range(0, len(fs), per_shard)]
-    for s in files: (out/s).mkdir(parents=True, exist_ok=True)
     n = _shard_procs(procs, sum(map(len, files.values())), len(jobs))
     with (ProcessPoolExecutor(n, mp_context=multiprocessing.get_context('spawn')) if n > 1 else contextlib.nullcontext()) as ex:
         done = ex.map(_write_shard, jobs) if n > 1 else map(_write_shard, jobs)

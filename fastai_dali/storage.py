@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # %% auto #0
 __all__ = ['S3_TIMEOUTS', 'is_s3', 'split_s3', 'expand_braces', 's3_client', 's3_error', 's3_head', 's3_read', 's3_open',
-           's3_read_many', 's3_list', 'local_s3_server']
+           's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server']
 
 # %% ../nbs/03bb_storage.ipynb #s005
 def is_s3(p) -> bool:
@@ -133,6 +133,19 @@ def s3_list(pattern:str):
     except Exception as e: raise s3_error(e, f's3://{bucket}/{prefix}') from None
     depth = key.count('/')
     return sorted(f's3://{bucket}/{k}' for k in keys if k.count('/') == depth and fnmatch.fnmatchcase(k, key))
+
+# %% ../nbs/03bb_storage.ipynb #s901
+def s3_put(url:str, data:bytes):
+    "Write `data` as the object `url`"
+    bucket,key = split_s3(url)
+    try: s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+    except Exception as e: raise s3_error(e, url) from None
+
+def s3_upload(fn, url:str):
+    "Upload the file `fn` as the object `url` (in parts where it is large)"
+    bucket,key = split_s3(url)
+    try: s3_client().upload_file(str(fn), bucket, key)
+    except Exception as e: raise s3_error(getattr(e, '__cause__', None) or e, url) from None
 
 # %% ../nbs/03bb_storage.ipynb #s019
 _SERVER = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); from moto.server import ThreadedMotoServer; s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); "

@@ -192,6 +192,11 @@ def test_bad_shards_named(tmp_path):
     good = write_tars(tmp_path/'good', range(4), 1)
     (tmp_path/'nota').mkdir(); (tmp_path/'nota'/'00000.tar').write_bytes(b'not a tar' * 200)
     with pytest.raises(ValueError, match=r'nota/00000.tar: not a tar archive'): DaliDataLoaders.from_shards(tmp_path/'nota', valid=good, **KW)
+    t = (good/'00000.tar').read_bytes()   # a shard cut short at a block's edge: no sample left out silently
+    with tarfile.open(good/'00000.tar') as tf: end = [m for m in tf][-1] and tf.offset   # (where the end-of-archive block starts)
+    for cut in (len(t)//2//512*512, end):   # (inside a member; right after the last member)
+        (tmp_path/'cut').mkdir(exist_ok=True); (tmp_path/'cut'/'00000.tar').write_bytes(t[:cut])
+        with pytest.raises(ValueError, match=r'cut/00000.tar: (truncated|not a tar archive)'): DaliDataLoaders.from_shards(tmp_path/'cut', valid=good, cache_dir=tmp_path/'c', **KW)
     noimg = _tar(tmp_path/'noimg', [('a.png', png(1)), ('a.cls', b'1'), ('b.cls', b'2')])
     with pytest.raises(ValueError, match=r"noimg/00000.tar: sample 'b' has no image"): DaliDataLoaders.from_shards(noimg, valid=good, **KW)
     with pytest.warns(UserWarning, match='1 sample'):
