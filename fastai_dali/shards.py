@@ -490,10 +490,10 @@ def shards_main(argv=None):
     "`fastai-dali-shards FOLDER OUT [--per-shard N] [--train NAME] [--valid NAME]`: the console command, returns None"
     import argparse
     ap = argparse.ArgumentParser('fastai-dali-shards', description='Write an ImageNet-style folder as WebDataset tar shards (write_shards)')
-    ap.add_argument('folder', help='an ImageNet-style folder (train/, valid/)'); ap.add_argument('out', help='where the shards go')
+    ap.add_argument('folder', help='an ImageNet-style folder (train/, valid/)'); ap.add_argument('out', help='where the shards go: a folder, or s3://bucket/prefix')
     ap.add_argument('--per-shard', type=int, default=1000, help='samples per tar (default: %(default)s)')
     ap.add_argument('--train', default='train'); ap.add_argument('--valid', default='valid')
     a = ap.parse_args(argv)
     try: res = write_shards(a.folder, a.out, per_shard=a.per_shard, train=a.train, valid=a.valid)
     except (OSError, ValueError) as e: ap.error(str(e))   # (a bad folder: its message, not a traceback)
-    print(', '.join(f'{k}: {len(v)} shard(s)' for k,v in res.items()) + f', vocab in {Path(a.out)/"vocab.json"}')
+    print(', '.join(f'{k}: {len(v)} shard(s)' for k,v in res.items()) + f', vocab in {a.out.rstrip("/")}/vocab.json')
