@@ -13,7 +13,7 @@ from .loaders import *
 from .loaders import loader_sections
 from .training import *
 from .training import training_section, user_fit_section, trace_section
-from .shards import shards_section
+from .shards import shards_section, object_storage_section
 from .targets import targets_section
 from .scale import scale_section, default_scale_n
 from .report import *
@@ -24,7 +24,7 @@ __all__ = ['SECTIONS', 'DEFAULT_SECTIONS', 'run_bench', 'cli']
 
 # %% ../../nbs/07i_bench_cli.ipynb #353645fb
 SECTIONS = ('throughput', 'augment', 'augment-steps', 'mixed', 'mixed-workers', 'training', 'training-loader',
-            'training-compile', 'user-fit', 'trace', 'memory', 'resize', 'parity', 'shards', 'targets', 'scale')
+            'training-compile', 'user-fit', 'trace', 'memory', 'resize', 'parity', 'shards', 'object-storage', 'targets', 'scale')
 DEFAULT_SECTIONS = ('throughput', 'augment', 'mixed', 'training', 'memory')
 
 # %% ../../nbs/07i_bench_cli.ipynb #c030c
@@ -60,6 +60,7 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
         D,W = loader_sections(S, res, root, dls, kw, size, workers, py_workers, gpu, repeats, max_batches, warmup)
     else: res['throughput'],D,W = {},{},max(workers)
     if 'shards' in S: shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu)
+    if 'object-storage' in S: object_storage_section(res, root, kw, workers, repeats, warmup, out)
     if 'targets' in S: targets_section(res, root, kw, size, repeats, warmup, aug)
     if 'scale' in S: scale_section(res, tuple(scale_n or (default_scale_n(gpu),)), scale_classes, device, max(workers), bs,
                                     shards=scale_shards, mixed=scale_mixed, root=scale_root, epochs=scale_epochs)

@@ -38,6 +38,7 @@ GOALS = dict(
     learner_default=1.5,                     # a Learner's defaults on DaliDataLoaders (DaliFastPathCallback) / fastai's own loop
     memory=0.99,                             # device memory flat over epochs (1 - growth/first)
     shards_folder=0.95, shards_peer=5,       # shards / the folder, whole epochs; / webdataset + DataLoader + PIL (GPU)
+    object_storage=0.9,                      # shards in a local S3 server / the same shards on the local disk, whole epochs
     shards_pixels=1.0,                       # shards give the folder's pixels: 1 - mean abs Δ (0..1 units)
     targets_points=0.95, targets_boxes=0.95, # points / labels only, boxes / labels only (the same pipeline, whole epochs)
     scale_time=2.0, scale_memory=1.0)        # ImageDataLoaders / DaliDataLoaders.from_folder, a new process each: time to the first batch, peak host memory
@@ -108,6 +109,10 @@ def throughput_targets(res, gpu, W=None):
         if gpu and (peer := next((v['img_s'] for k,v in w.items() if k.startswith('webdataset')), None)):
             _target(t, 'shards / webdataset + DataLoader + PIL', sh/peer, GOALS['shards_peer'])
         _target(t, "shards: the folder's pixels (1 - mean abs Δ)", 1 - s['pixels']['mean_abs_diff'], GOALS['shards_pixels'])
+    if o := res.get('object_storage'):
+        w = o['warm']
+        _target(t, 'shards in a local S3 server / on the local disk (DaliDataLoaders train, whole epochs)',
+                w['DaliDataLoaders train, shards in a local S3 server']['img_s']/w['DaliDataLoaders train, shards on the local disk']['img_s'], GOALS['object_storage'])
     for n,rows in res.get('scale', {}).items():  # the first open of the folder by each (a new process each)
         i,d = (next((o for o in rows if o['kind'] == k), None) for k in ('ImageDataLoaders', 'DaliDataLoaders'))
         if i and d:
@@ -159,6 +164,10 @@ def write_results(res, out, mem_epochs):
                '', f"Validation pixels, shards - folder: mean abs Δ {sh['pixels']['mean_abs_diff']:.3g}, max {sh['pixels']['max_abs_diff']:.3g} over {sh['pixels']['n']} images",
                '', '| cold page cache, first epoch | files evicted | to first batch s | epoch img/s |', '|---|---:|---:|---:|']
         md += [f"| {k} | {v['files_evicted']} | {v['first_batch_s']:.2f} | {v['epoch_img_s']:,.0f} |" for k,v in sh['cold'].items()]
+    if o := res.get('object_storage'):
+        md += ['', results_markdown(o['warm'], f"Shards in a local S3 server (moto's) against the same shards on the local disk, whole epochs (ratio to the first row)"),
+               '', f"Written to the server in {o['upload_s']:.1f} s.", '', '| open | open s | to the first batch s |', '|---|---:|---:|']
+        md += [f"| {k} | {v['open_s']:.2f} | {v['to_first_batch_s']:.2f} |" for k,v in o['first_batch'].items()]
     for p,r in res.get('points_boxes', {}).items():
         md += ['', results_markdown(r, targets_title(p))]
     for n,rows in res.get('scale', {}).items():

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/07e_bench_shards.ipynb #feb989ca
 from __future__ import annotations
-import os
+import os, shutil, time
 from pathlib import Path
 import torch
 from ..core import *
@@ -13,7 +13,16 @@ from .core import *
 from .core import workers_name
 
 # %% auto #0
-__all__ = ['webdataset_loader', 'evict_page_cache', 'shards_section']
+__all__ = ['bench_shards', 'webdataset_loader', 'evict_page_cache', 'shards_section', 'object_storage_section']
+
+# %% ../../nbs/07e_bench_shards.ipynb #b07e01
+def bench_shards(root, n_train, workers, out):
+    "The bench's folder `root` as shards under `out`, written once: their folder and how many samples a tar holds"
+    from fastai_dali.shards import write_shards
+    sdir = out/f'shards_{Path(root).name}'
+    per = max(16, n_train//(2*max(workers)))  # at least two tars per worker of the peer (`webdataset` splits by tar)
+    if not (sdir/'vocab.json').exists(): write_shards(root, sdir, per_shard=per)
+    return sdir,per
 
 # %% ../../nbs/07e_bench_shards.ipynb #c029s
 def webdataset_loader(tars, bs=128, size=224, workers=16, device=None):
@@ -46,9 +55,7 @@ def shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
     from fastai_dali.data import DaliDataLoaders
     from fastai_dali.shards import write_shards, shard_paths
     n_train = len(DaliDataLoaders.from_folder(root, **kw).train_ds)
-    sdir = out/f'shards_{Path(root).name}'
-    per = max(16, n_train//(2*max(workers)))  # at least two tars per worker of the peer (`webdataset` splits by tar)
-    if not (sdir/'vocab.json').exists(): write_shards(root, sdir, per_shard=per)
+    sdir,per = bench_shards(root, n_train, workers, out)
     folder,shards = (DaliDataLoaders.from_folder(root, **kw),
                      DaliDataLoaders.from_shards(sdir/'train', valid=sdir/'valid', **kw))
     W = max(workers)
@@ -65,4 +72,30 @@ def shards_section(res, root, kw, size, workers, repeats, warmup, out, gpu):
         cold[k] = dict(files_evicted=files, **epoch_timeline(dl, epochs=1)[0])
         print(f'cold cache, {k}: {cold[k]}', flush=True)
     r['cold'] = cold
+    return r
+
+# %% ../../nbs/07e_bench_shards.ipynb #b07e11
+def object_storage_section(res, root, kw, workers, repeats, warmup, out):
+    "Shards in a local S3 server against the same shards on the local disk: the time to the first batch and whole epochs, into `res['object_storage']`"
+    from fastai_dali.data import DaliDataLoaders
+    from fastai_dali.shards import write_shards
+    from fastai_dali.storage import local_s3_server
+    n_train = len(DaliDataLoaders.from_folder(root, **kw).train_ds)
+    sdir,per = bench_shards(root, n_train, workers, out)
+    cache = out/'object_storage_index_cache'
+    shutil.rmtree(cache, ignore_errors=True)
+    with local_s3_server('bench'):
+        t = time.perf_counter(); write_shards(root, 's3://bench/shards', per_shard=per, progress=False)
+        r = res['object_storage'] = dict(per_shard=per, upload_s=time.perf_counter() - t, first_batch={})
+        opens = {'local disk': (sdir/'train', sdir/'valid'), 'local S3 server, first open (indexing)': ('s3://bench/shards/train/', 's3://bench/shards/valid/'),
+                 'local S3 server, opened again': ('s3://bench/shards/train/', 's3://bench/shards/valid/')}
+        dls = {}
+        for k,(tr,va) in opens.items():
+            t = time.perf_counter(); dls[k] = DaliDataLoaders.from_shards(tr, valid=va, cache_dir=cache if 'S3' in k else None, **kw); o = time.perf_counter() - t
+            next(iter(dls[k].train)); r['first_batch'][k] = dict(open_s=o, to_first_batch_s=time.perf_counter() - t)
+            print(f'{k}: {r["first_batch"][k]}', flush=True)
+        L = {'DaliDataLoaders train, shards on the local disk': lambda: dls['local disk'].train,
+             'DaliDataLoaders train, shards in a local S3 server': lambda: dls['local S3 server, opened again'].train}
+        r['warm'] = bench_loaders(L, repeats=repeats, warmup=warmup, label='timing whole epochs')
+        show_markdown(results_markdown(r['warm']))
     return r
