@@ -4,7 +4,7 @@
 
 # %% ../nbs/04d_shards.ipynb #c003
 from __future__ import annotations
-import collections, io, itertools, json, os, tarfile, warnings, mmap, contextlib, shutil, tempfile
+import collections, io, itertools, json, os, tarfile, warnings, mmap, contextlib, shutil, tempfile, threading
 from itertools import repeat
 from operator import attrgetter
 import multiprocessing
@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from glob import glob, escape as glob_escape
 from pathlib import Path
+from functools import partial
 from fastcore.basics import *
 from fastcore.meta import delegates
 from fastcore.foundation import L
@@ -22,7 +23,7 @@ from fastai.vision.data import ImageBlock
 from .core import *
 from .dirs import cache_home
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
-from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open, s3_put, s3_upload
+from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open, s3_put, s3_upload, s3_download, Tee
 from .data import *
 
 # %% auto #0
@@ -45,6 +46,7 @@ class TarSample:
     label: str|None = field(default=None, compare=False, repr=False)  # (not part of what the sample is)
     label_ext: str|None = field(default=None, compare=False, repr=False)  # the member `label` was read from
     etag: str|None = field(default=None, compare=False, repr=False)  # a shard in object storage: the version it was indexed from
+    local: str|None = field(default=None, compare=False, repr=False)  # ... and its copy on the local disk, read instead
     def __repr__(self): return f'{self.tar}:{self.key}.{self.ext}'
     __str__ = __repr__
     item_name = property(__repr__)  # how errors name it, in full (`PythonSource.name`)
@@ -60,8 +62,8 @@ class TarSamples:
         (self.tars,tar),(self.exts,ext),keys = codes(col('tar')),codes(col('ext')),col('key')
         self.tar,self.ext = np.fromiter(tar, np.int32, n),np.fromiter(ext, np.int16, n)
         self.offset,self.size = (np.fromiter(map(attrgetter(a), samples), np.int64, n) for a in ('offset', 'size'))
-        etag_of = dict(zip(map(attrgetter('tar'), samples), map(attrgetter('etag'), samples)))
-        self.etags = [etag_of[t] for t in self.tars]   # (per shard: None on a local disk)
+        first = {(s := samples[int(i)]).tar: s for i in np.unique(self.tar, return_index=True)[1]}   # (a sample of each shard)
+        self.etags,self.copies = [first[t].etag for t in self.tars],[first[t].local for t in self.tars]   # (per shard: None on a local disk)
         self.keys = '\n'.join(keys)   # (a key holds no white space: see `ShardIndex.scan`)
         self.starts = np.concatenate([[0], np.cumsum(np.fromiter(map(len, keys), np.int64, n) + 1)]).astype(np.int64)
     def __len__(self): return len(self.offset)
@@ -72,7 +74,7 @@ class TarSamples:
 
 def read_sample(o):
     "`get_x` of shards: the encoded image of a `TarSample` (a file path's bytes; anything else, e.g. a `PILImage`, as it is)"
-    if isinstance(o, TarSample): return read_member(o.tar, o.offset, o.size, o, o.etag)
+    if isinstance(o, TarSample): return read_member(o.local or o.tar, o.offset, o.size, o, o.etag)
     return Path(o).read_bytes() if isinstance(o, (str, Path)) else o
 
 def _shard_source(items, mode):
@@ -167,6 +169,7 @@ class ShardIndex:
     def __init__(self, tar, samples:dict|None, texts:dict, size:int=None, mtime_ns:int=None, images:ShardImages=None, idx=None,
                  etag:str=None):
         store_attr('tar,texts,size,mtime_ns,idx,etag')   # (`etag`: a shard in object storage, where `mtime_ns` is None)
+        self.local = None   # (a shard in object storage: its copy on the local disk, where one is kept)
         self._samples,self._images = samples,images
     @property
     def samples(self):
@@ -196,12 +199,26 @@ class ShardIndex:
         return cls(tar, samples, texts, st.st_size, st.st_mtime_ns)
 
     @classmethod
-    def scan_object(cls, tar):
-        "Index the shard `tar` in object storage (`s3://...`) as `scan` does, reading the object once, as a stream"
+    def scan_object(cls, tar, keep=None):
+        "Index the shard `tar` in object storage (`s3://...`) as `scan` does, reading the object once, as a stream; `keep(etag)`: the file to copy it into as it is read"
         size,etag = s3_head(tar)
+        if keep is None: return cls._scan_stream(tar, s3_open(tar, etag), size, etag)
+        keep = keep(etag); keep.parent.mkdir(parents=True, exist_ok=True)
+        tmp = keep.with_name(keep.name + f'.{os.getpid()}.{threading.get_ident()}.tmp')
+        try:
+            with open(tmp, 'wb') as f:
+                src = Tee(s3_open(tar, etag), f); ix = cls._scan_stream(tar, src, size, etag); src.drain()
+            os.replace(tmp, keep)
+        finally: tmp.unlink(missing_ok=True)
+        ix.local = str(keep)
+        return ix
+
+    @classmethod
+    def _scan_stream(cls, tar, src, size, etag):
+        "The index of the shard `tar` (`size` bytes, version `etag`) read from the stream `src` of its bytes"
         samples,texts = {},{}
         try:
-            with tarfile.open(fileobj=s3_open(tar, etag), mode='r|') as tf:
+            with tarfile.open(fileobj=src, mode='r|') as tf:
                 for m in tf:
                     if not m.isreg() or (km := _sample_member(tar, m.name)) is None: continue
                     key,ext = km
@@ -278,30 +295,40 @@ def _index_path(tar, cache_dir=None):
     return Path(cache_dir)/f"{t.stem}-{hashlib.sha1(str(t.resolve()).encode()).hexdigest()[:12]}.idx"
 
 
-def _load_index(tar, cache_dir):
-    "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
+def _copy_path(tar, etag, cache_dir=None):
+    "Where the local copy of the shard `tar` in object storage, version `etag`, is kept: beside its index"
+    import hashlib
+    ix = _index_path(tar, cache_dir)
+    return ix.with_name(f"{ix.stem}-{hashlib.sha1(etag.encode()).hexdigest()[:8]}.tar")
+
+def _load_index(tar, cache_dir, keep=False):
+    "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found. `keep`: a shard in object storage is copied to the local disk (`ShardIndex.local`)"
     places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir or is_s3(tar) else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
-    for p in places:
-        if (ix := ShardIndex.read(tar, p)) is not None: return ix,False
-    stale = any(p.with_name(p.name + '.json').exists() for p in places)
-    ix = ShardIndex.scan(tar)
-    for p in places:
-        try: p.parent.mkdir(parents=True, exist_ok=True); ix.write(p); break
-        except OSError: continue
+    ix = next((ix for p in places if (ix := ShardIndex.read(tar, p)) is not None), None)
+    stale = ix is None and any(p.with_name(p.name + '.json').exists() for p in places)
+    if ix is None:
+        ix = ShardIndex.scan_object(tar, keep=partial(_copy_path, tar, cache_dir=cache_dir)) if keep else ShardIndex.scan(tar)
+        for p in places:
+            try: p.parent.mkdir(parents=True, exist_ok=True); ix.write(p); break
+            except OSError: continue
+    if keep:
+        if ix.local is None: ix.local = str(s3_download(tar, c, ix.etag) if not (c := _copy_path(tar, ix.etag, cache_dir)).exists() else c)
+        for o in Path(ix.local).parent.glob(glob_escape(places[0].stem) + '-????????.tar'):   # (copies of earlier versions)
+            if str(o) != ix.local: o.unlink(missing_ok=True)
     return ix,stale
 
-def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3):
-    "The `ShardIndex` of every shard of `paths` in order, a window of 2 x `num_threads` of them loaded at a time"
+def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=False, tars=None):
+    "The `ShardIndex` of every shard of `paths` (or of the list `tars`, found already) in order, a window of 2 x `num_threads` of them loaded at a time; `keep`: those in object storage copied to the local disk"
     # (a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them: their label
     # texts and columns are ~1 GB at a million samples)
-    tars = shard_paths(paths)
+    if tars is None: tars = shard_paths(paths)
     n,stale = min(len(tars), num_threads or default_num_threads()),[]
     with ThreadPoolExecutor(n) as ex:
         todo,going = iter(tars),collections.deque()
-        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir))
+        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir, keep))
         while going:
             ix,s = going.popleft().result()
-            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir))
+            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir, keep))
             if s: stale.append(ix.tar)
             yield ix
             del ix   # (the caller's copy is all that is left of it)
@@ -314,11 +341,13 @@ def shard_indexes(paths, cache_dir=None, num_threads:int=None):
     return list(_indexes(paths, cache_dir, num_threads))
 
 # %% ../nbs/04d_shards.ipynb #c014
-def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls'):
-    "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
+def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls', keep_local:bool=None):
+    "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order; `keep_local`: shards in object storage copied to the local disk and read there (None: where it has room)"
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
     res,skipped,memo = [],[],{}
-    for ix in _indexes(paths, cache_dir, num_threads):   # (each index dropped once its samples are made)
+    tars = shard_paths(paths)
+    keep = _keep_local(tars, cache_dir) if keep_local is None else bool(keep_local) and any(map(is_s3, tars))
+    for ix in _indexes(paths, cache_dir, num_threads, keep=keep, tars=tars):   # (each index dropped once its samples are made)
         im,texts = ix.images,ix.texts
         if im.imageless and on_error == 'skip': skipped += [f'{ix.tar}:{k}' for k in im.imageless]
         elif im.imageless:
@@ -328,9 +357,20 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
         # one string of each label text (a thousand of them), not one a sample (a million)
         labels = [memo.setdefault(v, v) if (t := texts.get(k)) is not None and (v := t.get(label)) is not None else None for k in im.keys]
         # (a million samples: `map` makes them without a Python loop of ours)
-        res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label), repeat(ix.etag))
+        res += map(TarSample, repeat(ix.tar), im.keys, im.exts, im.offsets, im.sizes, labels, repeat(label), repeat(ix.etag), repeat(ix.local))
     if skipped: warnings.warn(f"{len(skipped)} sample(s) without an image left out, e.g. {skipped[0]}", stacklevel=2)
     return L(res)
+
+def _keep_local(tars, cache_dir, room=1.2):
+    "Whether to copy the shards of `tars` in object storage to the local disk: where the cache's disk has room for them (`room` x their size), else a warning says why not"
+    if not (objs := [t for t in tars if is_s3(t)]): return False
+    with ThreadPoolExecutor(min(16, len(objs))) as ex: need = sum(s for s,_ in ex.map(s3_head, objs))
+    d = Path(cache_dir or cache_home('shards')); d.mkdir(parents=True, exist_ok=True)
+    if (free := shutil.disk_usage(d).free) >= room*need: return True
+    warnings.warn(f"the {len(objs)} shard(s) in object storage ({need/1e9:.1f} GB) do not fit the free space of {d} ({free/1e9:.1f} GB): "
+                  "each sample is read from the store, a request each (give cache_dir= on a larger disk; keep_local=False reads from "
+                  "the store without this warning)", stacklevel=4)
+    return False
 
 
 # %% ../nbs/04d_shards.ipynb #c016
@@ -400,13 +440,13 @@ def _check_labels(items, get_y, vocab, multi_label):
 @gc_paused()   # (indexing a million samples: see `gc_paused`, 00_core)
 def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, seed:int=None, label='cls', get_y=None,
                 vocab=None, multi_label:bool=None, item_tfms=None, batch_tfms=None, cache_dir=None, on_error='raise',
-                path='.', **kwargs):
-    "Create from WebDataset tar shards: `train` and `valid` paths, globs or folders (or `valid_pct` of `train`), labelled by each sample's `label` member; `seed` seeds the split and the shuffles"
+                keep_local:bool=None, path='.', **kwargs):
+    "Create from WebDataset tar shards: `train` and `valid` paths, globs or folders, on a disk or `s3://` (or `valid_pct` of `train`), labelled by each sample's `label` member; `seed` seeds the split and the shuffles; `keep_local`: see `shard_samples`"
     if label not in LABEL_EXTS: raise ValueError(f"label={label!r}: must be one of {', '.join(LABEL_EXTS)}")
     if label == 'json' and get_y is None: raise ValueError("label='json' needs get_y, which picks the label from each sample's parsed JSON")
     if (valid is None) == (valid_pct is None): raise ValueError("give the validation shards (valid=) or a share of the training ones (valid_pct=)")
-    tr = shard_samples(train, cache_dir, on_error=on_error, label=label)
-    va = shard_samples(valid, cache_dir, on_error=on_error, label=label) if valid is not None else L()
+    tr = shard_samples(train, cache_dir, on_error=on_error, label=label, keep_local=keep_local)
+    va = shard_samples(valid, cache_dir, on_error=on_error, label=label, keep_local=keep_local) if valid is not None else L()
     names = _vocab_file(shard_paths(train)) if label == 'cls' and get_y is None else None
     gy = ShardLabel(label, get_y, names)
     if multi_label is None: multi_label = len(tr) > 0 and isinstance(gy(tr[0]), (list, tuple))

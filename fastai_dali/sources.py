@@ -175,7 +175,7 @@ class ShardSource:
     def __init__(self, samples, mode='RGB', load_truncated=None):
         self.__dict__.update(vars(samples))  # (numbers and strings: a worker needs no class of fastai_dali.shards)
         self.mode,self.load_truncated = mode,_load_truncated(load_truncated)
-        self.remote = any(t.startswith('s3://') for t in self.tars)   # (in object storage: a batch's reads go together)
+        self.remote = any(t.startswith('s3://') and c is None for t,c in zip(self.tars, self.copies))   # (read from object storage: a batch's reads go together)
     def __len__(self): return len(self.offset)
     def item_name(self, i):
         "Sample `i` as a `TarSample` names itself: its shard, key and extension"
@@ -185,6 +185,7 @@ class ShardSource:
         "The encoded image of sample `i`"
         i = int(i)
         t = self.tar[i]
+        if (c := self.copies[t]) is not None: return read_member(c, int(self.offset[i]), int(self.size[i]), self.item_name(i))   # (an object's local copy)
         return read_member(self.tars[t], int(self.offset[i]), int(self.size[i]), self.item_name(i), self.etags[t])
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
     def many(self, idx):

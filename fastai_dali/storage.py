@@ -5,11 +5,12 @@
 # %% ../nbs/03bb_storage.ipynb #s003
 from __future__ import annotations
 import contextlib, fnmatch, os, re, subprocess, sys, threading
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 # %% auto #0
 __all__ = ['S3_TIMEOUTS', 'is_s3', 'split_s3', 'expand_braces', 's3_client', 's3_error', 's3_head', 's3_read', 's3_open',
-           's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server']
+           's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server', 'Tee', 's3_download']
 
 # %% ../nbs/03bb_storage.ipynb #s005
 def is_s3(p) -> bool:
@@ -173,3 +174,24 @@ def local_s3_server(bucket:str=None):
             _clients.clear()
     finally:
         p.stdin.close(); p.wait(10)
+
+# %% ../nbs/03bb_storage.ipynb #s911
+class Tee:
+    "A stream reading `src` that writes what it reads to the file `f` (a copy made while the stream is read)"
+    def __init__(self, src, f): self.src,self.f = src,f
+    def read(self, n=-1):
+        b = self.src.read(n); self.f.write(b); return b
+    def drain(self, chunk=1<<20):
+        "Read (and copy) the rest of the stream"
+        while self.read(chunk): pass
+
+def s3_download(url:str, fn, etag:str=None):
+    "The object `url` (only while it has `etag`) into the file `fn`, through a temporary name: its path"
+    fn = Path(fn); fn.parent.mkdir(parents=True, exist_ok=True)
+    tmp = fn.with_name(fn.name + f'.{os.getpid()}.{threading.get_ident()}.tmp')
+    try:
+        with open(tmp, 'wb') as f: Tee(s3_open(url, etag), f).drain()
+        os.replace(tmp, fn)
+    finally:
+        if tmp.exists(): tmp.unlink()
+    return fn

@@ -10,7 +10,7 @@ import pytest, torch
 from fastai.vision.all import Resize, Normalize, imagenet_stats
 from fastai_dali.data import DaliDataLoaders
 from fastai_dali.samples import make_image_folder
-from fastai_dali.shards import write_shards, ShardIndex
+from fastai_dali.shards import write_shards, ShardIndex, read_sample
 from fastai_dali import storage
 from fastai_dali.storage import local_s3_server, s3_client, s3_head
 from conftest import DEVICE
@@ -40,10 +40,14 @@ KW = dict(item_tfms=Resize(32), batch_tfms=Normalize.from_stats(*imagenet_stats)
 def batches(dl): return [(x.cpu().clone(), y.cpu().clone()) for x,y in dl]
 def same(a, b): return len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1,y1),(x2,y2) in zip(a, b))
 
-def test_same_batches_as_the_local_disk(s3, tmp_path):
+@pytest.mark.parametrize('keep_local', [None, False])   # (copies on the local disk, where it has room; a request a sample)
+def test_same_batches_as_the_local_disk(s3, tmp_path, keep_local):
     loc = DaliDataLoaders.from_shards(s3.local/'train', valid=s3.local/'valid', cache_dir=tmp_path/'local', py_workers=2, **KW)
     rem = DaliDataLoaders.from_shards('s3://shards/train/{00000..00003}.tar', valid='s3://shards/valid/', cache_dir=tmp_path/'s3',
-                                      py_workers=2, **KW)
+                                      py_workers=2, keep_local=keep_local, **KW)
+    copies = sorted((tmp_path/'s3'/'s3').glob('*.tar'))
+    assert len(copies) == (5 if keep_local is None else 0)
+    if copies: assert sorted(p.read_bytes() for p in copies) == sorted(p.read_bytes() for p in s3.local.rglob('*.tar'))
     assert [str(s).split('/')[-1] for s in rem.train_ds.items] == [str(s).split('/')[-1] for s in loc.train_ds.items]
     assert rem.vocab == loc.vocab and len(rem.train_ds) == 40 and len(rem.valid_ds) == 12   # (the vocab.json in the bucket)
     for _ in range(2): assert same(batches(rem.train), batches(loc.train))   # fastai's permutation, epoch after epoch
@@ -80,12 +84,15 @@ def test_object_replaced_after_indexing_named(s3, tmp_path):
     c = s3_client(); c.create_bucket(Bucket='replaced')
     tar = (s3.local/'train'/'00000.tar').read_bytes()
     c.put_object(Bucket='replaced', Key='train/00000.tar', Body=tar); c.put_object(Bucket='replaced', Key='valid/00000.tar', Body=tar)
-    dls = DaliDataLoaders.from_shards('s3://replaced/train/', valid='s3://replaced/valid/', cache_dir=tmp_path, py_workers=2, **KW)
+    dls = DaliDataLoaders.from_shards('s3://replaced/train/', valid='s3://replaced/valid/', cache_dir=tmp_path, py_workers=2, keep_local=False, **KW)
+    kept = DaliDataLoaders.from_shards('s3://replaced/train/', valid='s3://replaced/valid/', cache_dir=tmp_path/'kept', py_workers=0, **KW)
+    before = [read_sample(o) for o in kept.train_ds.items]
     assert len(batches(dls.train)) == 1   # (12 samples, bs 8: the training loader drops the last, short batch)
     im = ShardIndex.scan(s3.local/'train'/'00000.tar').images
     changed = bytearray(tar); changed[im.offsets[0] + im.sizes[0]//2] ^= 0xFF   # (a byte of an image's data: the same tar, another version)
     c.put_object(Bucket='replaced', Key='train/00000.tar', Body=bytes(changed))
     with pytest.raises(Exception, match=r's3://replaced/train/00000.tar: the object changed after it was indexed'): batches(dls.train)
+    assert [read_sample(o) for o in kept.train_ds.items] == before and len(batches(kept.train)) == 1   # (from its local copy: the version indexed)
     with pytest.warns(UserWarning, match='changed since they were indexed'):   # opened again: indexed anew, and read
         dls = DaliDataLoaders.from_shards('s3://replaced/train/', valid='s3://replaced/valid/', cache_dir=tmp_path, py_workers=0, **KW)
     assert len(batches(dls.train)) == 1   # (12 samples, bs 8: the training loader drops the last, short batch)

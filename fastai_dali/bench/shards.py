@@ -94,8 +94,10 @@ def object_storage_section(res, root, kw, workers, repeats, warmup, out):
             t = time.perf_counter(); dls[k] = DaliDataLoaders.from_shards(tr, valid=va, cache_dir=cache if 'S3' in k else None, **kw); o = time.perf_counter() - t
             next(iter(dls[k].train)); r['first_batch'][k] = dict(open_s=o, to_first_batch_s=time.perf_counter() - t)
             print(f'{k}: {r["first_batch"][k]}', flush=True)
+        ranged = DaliDataLoaders.from_shards(*opens['local S3 server, opened again'], cache_dir=cache, keep_local=False, **kw)
         L = {'DaliDataLoaders train, shards on the local disk': lambda: dls['local disk'].train,
-             'DaliDataLoaders train, shards in a local S3 server': lambda: dls['local S3 server, opened again'].train}
+             'DaliDataLoaders train, shards in a local S3 server': lambda: dls['local S3 server, opened again'].train,
+             'DaliDataLoaders train, shards in a local S3 server, a request a sample (keep_local=False)': lambda: ranged.train}
         r['warm'] = bench_loaders(L, repeats=repeats, warmup=warmup, label='timing whole epochs')
         show_markdown(results_markdown(r['warm']))
     return r
