@@ -24,7 +24,7 @@ setuptools.setup(
     python_requires='>=' + cfg['min_python'],
     install_requires=req('requirements'),
     # One DALI wheel per CUDA major version: pick the extra for your driver, never both
-    extras_require={'cuda120': req('dali_cuda120'), 'cuda130': req('dali_cuda130'), 'test': req('test_requirements'), 's3': req('s3_requirements'),
+    extras_require={'cuda120': req('dali_cuda120'), 'cuda130': req('dali_cuda130'), 'test': req('test_requirements'),
                     'dev': req('test_requirements') + req('dev_requirements')},
     long_description=readme.read_text(encoding='utf-8') if readme.exists() else '',
     long_description_content_type='text/markdown', zip_safe=False,
