@@ -2,7 +2,8 @@
 
     ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 torchrun --nproc_per_node K tests/shards_worker.py SHARDS OUT
 
-SHARDS holds `train/*.tar` and `valid/*.tar` of id images (`test_shards.write_tars`). Each rank:
+SHARDS (a folder, or `s3://bucket/prefix` in object storage) holds `train/*.tar` and `valid/*.tar` of id images
+(`test_shards.write_tars`). Each rank:
 1. loaders from shards, for shuffle and drop_last both ways: per epoch (3) the ranks run the same number of batches,
    see every training sample (at most `world-1` twice; all of them without drop_last), a new permutation each epoch;
    unshuffled, the batches gathered from every rank (`to_detach`) are the samples in shard order;
@@ -23,7 +24,7 @@ def loader_checks(root, world):
     n = 0
     for shuffle in (False, True):
         for drop_last in (False, True):
-            dls = DaliDataLoaders.from_shards(root/'train', valid=root/'valid', bs=3, shuffle=shuffle, drop_last=drop_last,
+            dls = DaliDataLoaders.from_shards(root('train'), valid=root('valid'), bs=3, shuffle=shuffle, drop_last=drop_last,
                                               device='cpu', num_threads=1, py_workers=0, seed=5)
             ids = [int(s.key[6:]) for s in dls.train_ds.items]
             dl,orders = dls.train.distributed(),[]
@@ -43,7 +44,7 @@ def loader_checks(root, world):
     return n
 
 def learner_checks(root):
-    dls = DaliDataLoaders.from_shards(root/'train', valid=root/'valid', bs=4, device='cpu', num_threads=1, py_workers=0)
+    dls = DaliDataLoaders.from_shards(root('train'), valid=root('valid'), bs=4, device='cpu', num_threads=1, py_workers=0)
     learn = Learner(dls, IdNet(n_cls=len(dls.vocab)), loss_func=IdLoss())
     with learn.distrib_ctx(sync_bn=False), learn.no_bar():
         learn.fit(1)
@@ -53,7 +54,8 @@ def learner_checks(root):
     return len(want)
 
 if __name__ == '__main__':
-    root,out = Path(sys.argv[1]),Path(sys.argv[2])
+    at,out = sys.argv[1],Path(sys.argv[2])
+    root = (lambda s: f'{at}/{s}/') if at.startswith('s3://') else (lambda s: Path(at)/s)
     rank,world = int(os.environ['RANK']),int(os.environ['WORLD_SIZE'])
     valid = learner_checks(root)   # (distrib_ctx starts the process group the loader checks use)
     if not dist.is_initialized(): dist.init_process_group('gloo')

@@ -218,19 +218,23 @@ def test_bad_shards_named(tmp_path):
     with pytest.raises(DaliReadError, match=r'badjpg/00000.tar:b.jpg'): list(dls.train)
 
 @pytest.mark.skipif(DEVICE != 'cpu', reason='CPU processes only (gloo), as test_distributed.py')
-@pytest.mark.parametrize('world', [2, 3])
-def test_shards_across_ranks(tmp_path, world):
-    "2 and 3 CPU processes under torchrun: each rank its share of the samples, exactly once, validation gathered in shard order"
-    import subprocess, sys
+@pytest.mark.parametrize('world,store', [(2, 'disk'), (3, 'disk'), (2, 's3')])
+def test_shards_across_ranks(tmp_path, world, store):
+    "2 and 3 CPU processes under torchrun: each rank its share of the samples, exactly once, validation gathered in shard order; from a local S3 server too"
+    import contextlib, subprocess, sys
     from pathlib import Path
+    from fastai_dali.storage import local_s3_server, s3_upload
     pytest.importorskip('accelerate')
     cls = lambda i: {'cls': str(i % 3).encode()}
     write_tars(tmp_path/'shards'/'train', range(17), 3, labels=cls); write_tars(tmp_path/'shards'/'valid', range(500, 511), 2, labels=cls)
     (tmp_path/'out').mkdir()
-    env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(world),
-                        str(Path(__file__).parent/'shards_worker.py'), str(tmp_path/'shards'), str(tmp_path/'out')],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    with (local_s3_server('ranks') if store == 's3' else contextlib.nullcontext()):
+        if store == 's3':
+            for f in (tmp_path/'shards').rglob('*.tar'): s3_upload(f, f"s3://ranks/{f.relative_to(tmp_path/'shards').as_posix()}")
+        env = {**os.environ, 'ACCELERATE_USE_CPU': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore', 'XDG_CACHE_HOME': str(tmp_path/'cache')}
+        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(world),
+                            str(Path(__file__).parent/'shards_worker.py'), 's3://ranks' if store == 's3' else str(tmp_path/'shards'),
+                            str(tmp_path/'out')], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     if r.returncode: pytest.fail(f"exit {r.returncode}\n{r.stderr[-6000:]}", pytrace=False)
     res = [json.loads((tmp_path/'out'/f'rank{i}.json').read_text()) for i in range(world)]
     assert [o['rank'] for o in res] == list(range(world)) and all(o['loaders'] == 4 and o['valid'] == 11 for o in res)
