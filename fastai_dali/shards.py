@@ -279,11 +279,14 @@ def shard_paths(paths):
 def _object_paths(p):
     "`shard_paths` of one `s3://` pattern: a brace pattern's objects checked with one listing of each folder, not a request each"
     qs = expand_braces(p)
-    if len(qs) == 1 or any(c in p for c in '*?['): return [o for q in qs for o in s3_list(q)]
-    have = {o for d in dict.fromkeys(q.rsplit('/', 1)[0] for q in qs) for o in s3_list(d + '/*')}
-    if missing := [q for q in qs if q not in have]:
-        raise FileNotFoundError(f"{missing[0]}: no such object ({len(missing)} of the {len(qs)} shards of {p!r} are missing)")
-    return qs
+    if len(qs) == 1: return s3_list(p)
+    if any(c in p for c in '*?['): found = {q: s3_list(q) for q in qs}
+    else:   # (a brace pattern of objects: one listing of each folder, not a request each)
+        have = {o for d in dict.fromkeys(q.rsplit('/', 1)[0] for q in qs) for o in s3_list(d + '/*')}
+        found = {q: [q] if q in have else s3_list(q) for q in qs}   # (what is no object may be a folder)
+    if missing := [q for q,f in found.items() if not f]:
+        raise FileNotFoundError(f"{missing[0]}: no such object or shards ({len(missing)} of the {len(qs)} parts of {p!r} name none)")
+    return [o for f in found.values() for o in f]
 
 def _index_path(tar, cache_dir=None):
     "Where the index of `tar` goes: next to it (`00000.idx`), or in `cache_dir` under a name made from its full path (an object's: always in the cache)"
@@ -311,11 +314,15 @@ def _load_index(tar, cache_dir, keep=False):
         for p in places:
             try: p.parent.mkdir(parents=True, exist_ok=True); ix.write(p); break
             except OSError: continue
-    if keep:
-        if ix.local is None: ix.local = str(s3_download(tar, c, ix.etag) if not (c := _copy_path(tar, ix.etag, cache_dir)).exists() else c)
-        for o in Path(ix.local).parent.glob(glob_escape(places[0].stem) + '-????????.tar'):   # (copies of earlier versions)
-            if str(o) != ix.local: o.unlink(missing_ok=True)
+    if keep and ix.local is None:   # (a copy of another size: cut short, damaged; fetched again)
+        c = _copy_path(tar, ix.etag, cache_dir)
+        ix.local = str(c if _copy_ok(c, ix.size) else s3_download(tar, c, ix.etag))
+    # (copies of earlier versions are left: another process may still read one)
     return ix,stale
+
+def _copy_ok(c, size):
+    try: return c.stat().st_size == size
+    except OSError: return False
 
 def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=False, tars=None):
     "The `ShardIndex` of every shard of `paths` (or of the list `tars`, found already) in order, a window of 2 x `num_threads` of them loaded at a time; `keep`: those in object storage copied to the local disk"
@@ -325,10 +332,13 @@ def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=Fal
     n,stale = min(len(tars), num_threads or default_num_threads()),[]
     with ThreadPoolExecutor(n) as ex:
         todo,going = iter(tars),collections.deque()
-        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir, keep))
+        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir, keep and is_s3(t)))
         while going:
-            ix,s = going.popleft().result()
-            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir, keep))
+            try: ix,s = going.popleft().result()
+            except BaseException:
+                for f in going: f.cancel()   # (an error: what has not started is not waited for)
+                raise
+            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir, keep and is_s3(t)))
             if s: stale.append(ix.tar)
             yield ix
             del ix   # (the caller's copy is all that is left of it)
@@ -364,7 +374,8 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
 def _keep_local(tars, cache_dir, room=1.2):
     "Whether to copy the shards of `tars` in object storage to the local disk: where the cache's disk has room for them (`room` x their size), else a warning says why not"
     if not (objs := [t for t in tars if is_s3(t)]): return False
-    with ThreadPoolExecutor(min(16, len(objs))) as ex: need = sum(s for s,_ in ex.map(s3_head, objs))
+    with ThreadPoolExecutor(min(16, len(objs))) as ex: heads = list(ex.map(s3_head, objs))
+    need = sum(s for t,(s,e) in zip(objs, heads) if not _copy_ok(_copy_path(t, e, cache_dir), s))   # (copies made already take no more room)
     d = Path(cache_dir or cache_home('shards')); d.mkdir(parents=True, exist_ok=True)
     if (free := shutil.disk_usage(d).free) >= room*need: return True
     warnings.warn(f"the {len(objs)} shard(s) in object storage ({need/1e9:.1f} GB) do not fit the free space of {d} ({free/1e9:.1f} GB): "
@@ -415,7 +426,7 @@ def _vocab_file(tars):
         d = tars[0].rsplit('/', 1)[0]
         for p in (d, d.rsplit('/', 1)[0]) if d.count('/') > 2 else (d,):   # (a bucket's top: no folder above)
             try: return json.loads(s3_open(p + '/vocab.json').read())
-            except FileNotFoundError: continue
+            except (FileNotFoundError, PermissionError): continue   # (where listing is not allowed, a missing object is refused)
         return None
     for p in (Path(tars[0]).parent, Path(tars[0]).parent.parent):
         if (p/'vocab.json').exists(): return json.loads((p/'vocab.json').read_text())
@@ -466,14 +477,17 @@ def _write_shard(job):
     path,rows = job
     remote = is_s3(str(path))
     tmp = Path(tempfile.mkdtemp(prefix='fastai_dali_shard_'))/'shard.tar' if remote else Path(path).with_name(Path(path).name + f'.{os.getpid()}.tmp')
-    with tarfile.open(tmp, 'w', format=tarfile.PAX_FORMAT) as tf:
-        for key,f,y in rows:
-            for name,data in ((f'{key}{Path(f).suffix.lower()}', Path(f).read_bytes()), (f'{key}.cls', str(y).encode())):
-                ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
-                tf.addfile(ti, io.BytesIO(data))
-    if not remote: os.replace(tmp, path); return path
-    try: s3_upload(tmp, path)
-    finally: shutil.rmtree(tmp.parent)
+    try:
+        with tarfile.open(tmp, 'w', format=tarfile.PAX_FORMAT) as tf:
+            for key,f,y in rows:
+                for name,data in ((f'{key}{Path(f).suffix.lower()}', Path(f).read_bytes()), (f'{key}.cls', str(y).encode())):
+                    ti = tarfile.TarInfo(name); ti.size,ti.mtime = len(data),0
+                    tf.addfile(ti, io.BytesIO(data))
+        if remote: s3_upload(tmp, path)
+        else: os.replace(tmp, path)
+    finally:   # (an unreadable image, a refused upload: nothing left behind)
+        if remote: shutil.rmtree(tmp.parent, ignore_errors=True)
+        else: tmp.unlink(missing_ok=True)
     return path
 
 PARALLEL_MIN = 20_000  # files from which `write_shards` writes shards in worker processes (below it their start costs more)

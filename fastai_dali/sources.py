@@ -190,11 +190,12 @@ class ShardSource:
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
     def many(self, idx):
         "The checked images of items `idx`; from object storage, their reads in flight together (`s3_read_many`)"
+        idx = [int(i) for i in idx]
         if not self.remote: return [self[i] for i in idx]
         from .storage import s3_read_many
-        idx = [int(i) for i in idx]
-        enc = s3_read_many([(self.tars[t], int(self.offset[i]), int(self.size[i]), self.etags[t]) for i in idx for t in [self.tar[i]]])
-        return [checked_image(b, (lambda i=i: self.name(i)), self.mode, self.load_truncated) for i,b in zip(idx, enc)]
+        far = [i for i in idx if self.copies[t := self.tar[i]] is None and self.tars[t].startswith('s3://')]   # (read from the store)
+        enc = dict(zip(far, s3_read_many([(self.tars[t], int(self.offset[i]), int(self.size[i]), self.etags[t]) for i in far for t in [self.tar[i]]])))
+        return [checked_image(enc[i], (lambda i=i: self.name(i)), self.mode, self.load_truncated) if i in enc else self[i] for i in idx]
 
 # %% ../nbs/03c_sources.ipynb #6a4f0180
 class PackedPaths:

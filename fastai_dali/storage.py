@@ -9,8 +9,8 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 # %% auto #0
-__all__ = ['S3_TIMEOUTS', 'is_s3', 'split_s3', 'expand_braces', 's3_client', 's3_error', 's3_head', 's3_read', 's3_open',
-           's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server', 'Tee', 's3_download']
+__all__ = ['S3_TIMEOUTS', 'is_s3', 'split_s3', 'expand_braces', 's3_client', 's3_error', 's3_head', 's3_read', 'ObjectStream',
+           's3_open', 's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server', 'Tee', 's3_download']
 
 # %% ../nbs/03bb_storage.ipynb #s005
 def is_s3(p) -> bool:
@@ -29,6 +29,7 @@ _BRACE = re.compile(r'\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}')
 
 def expand_braces(p:str):
     "WebDataset's patterns: `a{000..002}.tar` -> a000.tar, a001.tar, a002.tar (numbers padded as written), `{a,b}` -> each"
+    if re.search(r'\{[^{}]*\{', p): raise ValueError(f"{p!r}: braces inside braces are not supported (they would name a shard twice)")
     m = _BRACE.search(p)
     if m is None: return [p]
     if m[3] is not None: opts = m[3].split(',')
@@ -101,10 +102,17 @@ def s3_read(url:str, offset:int, size:int, etag:str=None) -> bytes:
     if len(b) != size: raise OSError(f"{url}: the object ends {size-len(b)} bytes before the {size} bytes at {offset} do (truncated?)")
     return b
 
+class ObjectStream:
+    "The body of the object `url` as a stream whose errors (a connection dropped half way) name the object"
+    def __init__(self, body, url): self.body,self.url = body,url
+    def read(self, n=-1):
+        try: return self.body.read() if n is None or n < 0 else self.body.read(n)
+        except Exception as e: raise s3_error(e, self.url) from None
+
 def s3_open(url:str, etag:str=None):
     "A stream of the whole object `url` (where `etag` is given, only if the object still has it)"
     bucket,key = split_s3(url)
-    try: return s3_client().get_object(Bucket=bucket, Key=key, **(dict(IfMatch=etag) if etag else {}))['Body']
+    try: return ObjectStream(s3_client().get_object(Bucket=bucket, Key=key, **(dict(IfMatch=etag) if etag else {}))['Body'], url)
     except Exception as e: raise s3_error(e, url) from None
 
 # %% ../nbs/03bb_storage.ipynb #s016
@@ -126,14 +134,14 @@ def s3_list(pattern:str):
         try: s3_head(pattern); return [pattern]
         except FileNotFoundError:
             key += '/*.tar'; wild = re.search(r'[*?\[]', key)   # (a 'folder' named without its slash)
-    prefix = key[:wild.start()]
-    keys = []
+    prefix,depth,res = key[:wild.start()],key.count('/'),[]
+    # (a wildcard in the last part only: one folder listed, not what lies below it)
+    kw = dict(Delimiter='/') if '/' not in key[wild.start():] else {}
     try:
-        for page in s3_client().get_paginator('list_objects_v2').paginate(Bucket=bucket, Prefix=prefix):
-            keys += [o['Key'] for o in page.get('Contents', [])]
+        for page in s3_client().get_paginator('list_objects_v2').paginate(Bucket=bucket, Prefix=prefix, **kw):
+            res += [f's3://{bucket}/{k}' for o in page.get('Contents', []) if (k := o['Key']).count('/') == depth and fnmatch.fnmatchcase(k, key)]
     except Exception as e: raise s3_error(e, f's3://{bucket}/{prefix}') from None
-    depth = key.count('/')
-    return sorted(f's3://{bucket}/{k}' for k in keys if k.count('/') == depth and fnmatch.fnmatchcase(k, key))
+    return sorted(res)
 
 # %% ../nbs/03bb_storage.ipynb #s901
 def s3_put(url:str, data:bytes):
@@ -146,7 +154,7 @@ def s3_upload(fn, url:str):
     "Upload the file `fn` as the object `url` (in parts where it is large)"
     bucket,key = split_s3(url)
     try: s3_client().upload_file(str(fn), bucket, key)
-    except Exception as e: raise s3_error(getattr(e, '__cause__', None) or e, url) from None
+    except Exception as e: raise s3_error(e.__cause__ or e.__context__ or e, url) from None   # (boto3's `S3UploadFailedError` wraps the client's)
 
 # %% ../nbs/03bb_storage.ipynb #s019
 _SERVER = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); from moto.server import ThreadedMotoServer; s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); "
@@ -156,14 +164,19 @@ _SERVER = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.
 def local_s3_server(bucket:str=None):
     "An S3 server on this machine (moto's, in a process of its own) while the block runs: its endpoint URL, set as `AWS_ENDPOINT_URL` with test credentials (the environment is restored after); `bucket`: made empty"
     # (a process of its own: DALI's `Pipeline.build()` holds the GIL, which would stall a server thread of this process)
+    import select
     p = subprocess.Popen([sys.executable, '-c', _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        line = p.stdout.readline()
-        if not line.strip().isdigit(): raise RuntimeError("the local S3 server did not start: it needs moto's server (pip install 'moto[server]')")
+        line = p.stdout.readline() if select.select([p.stdout], [], [], 60)[0] else ''
+        if not line.strip().isdigit(): raise RuntimeError("the local S3 server did not start within 60 s: it needs moto's server (pip install 'moto[server]')")
         url = f'http://127.0.0.1:{int(line)}'
-        env = dict(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID='testing', AWS_SECRET_ACCESS_KEY='testing', AWS_DEFAULT_REGION='us-east-1')
+        env = dict(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID='testing', AWS_SECRET_ACCESS_KEY='testing', AWS_DEFAULT_REGION='us-east-1',
+                   AWS_ENDPOINT_URL_S3=None, AWS_PROFILE=None, AWS_SESSION_TOKEN=None)   # (None: unset while the block runs; they would win over ours)
         old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env); _clients.clear()
+        for k,v in env.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+        _clients.clear()
         try:
             if bucket: s3_client().create_bucket(Bucket=bucket)
             yield url
@@ -173,7 +186,9 @@ def local_s3_server(bucket:str=None):
                 else: os.environ[k] = v
             _clients.clear()
     finally:
-        p.stdin.close(); p.wait(10)
+        p.stdin.close()
+        try: p.wait(10)
+        except subprocess.TimeoutExpired: p.kill(); p.wait()
 
 # %% ../nbs/03bb_storage.ipynb #s911
 class Tee:

@@ -101,7 +101,7 @@ def test_missing_and_truncated_named(s3, tmp_path):
     kw = dict(cache_dir=tmp_path, py_workers=0, **KW)
     with pytest.raises(FileNotFoundError, match="s3://no-such-bucket/train/: the bucket 'no-such-bucket' does not exist"):
         DaliDataLoaders.from_shards('s3://no-such-bucket/train/*.tar', valid='s3://shards/valid/', **kw)
-    with pytest.raises(FileNotFoundError, match=r's3://shards/train/00004.tar: no such object \(3 of the 7 shards'):
+    with pytest.raises(FileNotFoundError, match=r's3://shards/train/00004.tar: no such object or shards \(3 of the 7 parts'):
         DaliDataLoaders.from_shards('s3://shards/train/{00000..00006}.tar', valid='s3://shards/valid/', **kw)
     with pytest.raises(FileNotFoundError, match="no shards found at 's3://shards/train/x-\\*.tar'"):
         DaliDataLoaders.from_shards('s3://shards/train/x-*.tar', valid='s3://shards/valid/', **kw)
@@ -141,3 +141,38 @@ def test_unreachable_endpoint_named_in_bounded_time(tmp_path, monkeypatch, fresh
         took = time.perf_counter() - t
     # the bound: `S3_TIMEOUTS` (3 s to connect, 10 s to answer, 2 attempts), with a margin for a loaded machine
     assert took < (10 if endpoint == 'refusing' else 45), took
+
+@pytest.mark.parametrize('keep_local', [None, False])
+def test_local_and_object_shards_together(s3, tmp_path, keep_local):
+    "Shards on the disk and in the store in one loader: each read where it is"
+    tars = [f'{i:05d}.tar' for i in range(4)]
+    mixed = DaliDataLoaders.from_shards([str(s3.local/'train'/t) if i % 2 == 0 else f's3://shards/train/{t}' for i,t in enumerate(tars)],
+                                        valid='s3://shards/valid/', cache_dir=tmp_path/'m', py_workers=2, keep_local=keep_local, **KW)
+    loc = DaliDataLoaders.from_shards([s3.local/'train'/t for t in tars], valid=s3.local/'valid',
+                                      cache_dir=tmp_path/'l', py_workers=2, **KW)
+    assert same(batches(mixed.train), batches(loc.train)) and same(batches(mixed.valid), batches(loc.valid))
+
+def test_patterns_name_every_part(s3):
+    from fastai_dali.shards import shard_paths
+    with pytest.raises(FileNotFoundError, match=r"s3://shards/valdi/\*.tar: no such object or shards"): shard_paths('s3://shards/{train,valdi}/*.tar')
+    with pytest.raises(FileNotFoundError, match=r"s3://shards/valid/00009.tar: no such object or shards"): shard_paths('s3://shards/valid/{00000,00009}.tar')
+    with pytest.raises(ValueError, match='braces inside braces'): shard_paths('s3://shards/train/{00000,{00001,00002}}.tar')
+    assert shard_paths('s3://shards/{train,valid}') == [f's3://shards/train/{i:05d}.tar' for i in range(4)] + ['s3://shards/valid/00000.tar']
+
+def test_damaged_copy_fetched_again(s3, tmp_path):
+    kw = dict(valid='s3://shards/valid/', cache_dir=tmp_path, py_workers=0, **KW)
+    DaliDataLoaders.from_shards('s3://shards/train/', **kw)
+    c = sorted((tmp_path/'s3').glob('*.tar'))[0]; whole = c.read_bytes()
+    c.write_bytes(whole[:len(whole)//2])   # (cut short: a disk filled up, a copy interrupted by another program)
+    DaliDataLoaders.from_shards('s3://shards/train/', **kw)
+    assert c.read_bytes() == whole
+
+def test_nothing_left_behind_when_writing_fails(s3, tmp_path):
+    "`write_shards` to the store: an image that cannot be read raises, and no temporary shard stays on the disk"
+    import shutil
+    src = tmp_path/'photos'; shutil.copytree(s3.folder, src)
+    victim = sorted((src/'train').rglob('*.jpg'))[0]; victim.unlink(); victim.symlink_to(tmp_path/'gone.jpg')   # (listed, unreadable)
+    before = set(Path(tempfile.gettempdir()).glob('fastai_dali_shard_*'))
+    s3_client().create_bucket(Bucket='failing')
+    with pytest.raises(OSError): write_shards(src, 's3://failing/x', per_shard=12, progress=False, procs=1)
+    assert set(Path(tempfile.gettempdir()).glob('fastai_dali_shard_*')) == before
