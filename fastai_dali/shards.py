@@ -241,7 +241,8 @@ class ShardIndex:
 
     @classmethod
     def read(cls, tar, idx):
-        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size, mtime; in object storage size, ETag); DALI's index file itself is read only if its `samples` are asked for"
+        "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size and mtime, or ETag)"
+        # (DALI's index file itself is read only if its `samples` are asked for)
         idx = Path(idx); side = idx.with_name(idx.name + '.json')
         try: meta = json.loads(side.read_text())
         except (OSError, ValueError): return None
@@ -261,7 +262,7 @@ class ShardIndex:
 
 # %% ../nbs/04d_shards.ipynb #c011
 def shard_paths(paths):
-    "The tar files named by `paths`: paths, glob patterns, brace patterns (`{00000..00255}.tar`), or folders (their `*.tar`), on a disk or in object storage (`s3://bucket/...`); sorted within each glob or folder"
+    "The tar files named by `paths`: paths, globs, brace patterns (`{00000..00255}.tar`) or folders, on a disk or `s3://`; sorted within each glob or folder"
     res = []
     for p in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
         p = str(p)
@@ -305,7 +306,8 @@ def _copy_path(tar, etag, cache_dir=None):
     return ix.with_name(f"{ix.stem}-{hashlib.sha1(etag.encode()).hexdigest()[:8]}.tar")
 
 def _load_index(tar, cache_dir, keep=False):
-    "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found. `keep`: a shard in object storage is copied to the local disk (`ShardIndex.local`)"
+    "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
+    # (`keep`: a shard in object storage copied to the local disk, `ShardIndex.local`)
     places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir or is_s3(tar) else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
     ix = next((ix for p in places if (ix := ShardIndex.read(tar, p)) is not None), None)
     stale = ix is None and any(p.with_name(p.name + '.json').exists() for p in places)
@@ -325,7 +327,8 @@ def _copy_ok(c, size):
     except OSError: return False
 
 def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=False, tars=None):
-    "The `ShardIndex` of every shard of `paths` (or of the list `tars`, found already) in order, a window of 2 x `num_threads` of them loaded at a time; `keep`: those in object storage copied to the local disk"
+    "The `ShardIndex` of every shard of `paths` (or of `tars`, found already) in order, a window of 2 x `num_threads` of them loaded at a time"
+    # (`keep`: those in object storage copied to the local disk)
     # (a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them: their label
     # texts and columns are ~1 GB at a million samples)
     if tars is None: tars = shard_paths(paths)
@@ -352,7 +355,8 @@ def shard_indexes(paths, cache_dir=None, num_threads:int=None):
 
 # %% ../nbs/04d_shards.ipynb #c014
 def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise', label='cls', keep_local:bool=None):
-    "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order; `keep_local`: shards in object storage copied to the local disk and read there (None: where it has room)"
+    "Every sample of the shards at `paths` as a `TarSample` (its image, and the text of its `label` member), in shard order"
+    # (`keep_local`: shards in object storage copied to the local disk and read there; None: where it has room)
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
     res,skipped,memo = [],[],{}
     tars = shard_paths(paths)
@@ -452,7 +456,8 @@ def _check_labels(items, get_y, vocab, multi_label):
 def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, seed:int=None, label='cls', get_y=None,
                 vocab=None, multi_label:bool=None, item_tfms=None, batch_tfms=None, cache_dir=None, on_error='raise',
                 keep_local:bool=None, path='.', **kwargs):
-    "Create from WebDataset tar shards: `train` and `valid` paths, globs or folders, on a disk or `s3://` (or `valid_pct` of `train`), labelled by each sample's `label` member; `seed` seeds the split and the shuffles; `keep_local`: see `shard_samples`"
+    "Create from WebDataset tar shards (on a disk or `s3://`): `train` and `valid` (or `valid_pct` of `train`), labelled by each sample's `label` member"
+    # (`seed` seeds the split and the shuffles; `keep_local`: see `shard_samples`)
     if label not in LABEL_EXTS: raise ValueError(f"label={label!r}: must be one of {', '.join(LABEL_EXTS)}")
     if label == 'json' and get_y is None: raise ValueError("label='json' needs get_y, which picks the label from each sample's parsed JSON")
     if (valid is None) == (valid_pct is None): raise ValueError("give the validation shards (valid=) or a share of the training ones (valid_pct=)")
@@ -473,7 +478,8 @@ def from_shards(cls:DaliDataLoaders, train, valid=None, valid_pct:float=None, se
 
 # %% ../nbs/04d_shards.ipynb #c022
 def _write_shard(job):
-    "Write shard `path` of the samples `rows` (key, file, class index), through a temporary name (a stopped run leaves no half shard; an `s3://` shard is uploaded from it); `job` = (path, rows): a worker process's task"
+    "Write shard `path` of the samples `rows` (key, file, class index) through a temporary file; `job` = (path, rows): a worker process's task"
+    # (a stopped run leaves no half shard; an `s3://` shard is uploaded from the temporary file)
     path,rows = job
     remote = is_s3(str(path))
     tmp = Path(tempfile.mkdtemp(prefix='fastai_dali_shard_'))/'shard.tar' if remote else Path(path).with_name(Path(path).name + f'.{os.getpid()}.tmp')

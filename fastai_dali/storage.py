@@ -45,7 +45,8 @@ S3_TIMEOUTS = dict(connect_timeout=3, read_timeout=10, retries={'max_attempts': 
 _clients,_lock = {},threading.Lock()
 
 def s3_client():
-    "This process's S3 client (boto3), made once per process: endpoint, region and credentials from the standard places (`AWS_ENDPOINT_URL`, `AWS_*`, `~/.aws`, an instance role); bounded waits (`S3_TIMEOUTS`)"
+    "This process's S3 client (boto3), made once: the store and credentials from the standard places, bounded waits (`S3_TIMEOUTS`)"
+    # (the standard places: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`..., `AWS_PROFILE`, `~/.aws`, an instance role)
     pid = os.getpid()
     if (c := _clients.get(pid)) is not None: return c
     try:
@@ -162,7 +163,8 @@ _SERVER = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.
 
 @contextlib.contextmanager
 def local_s3_server(bucket:str=None):
-    "An S3 server on this machine (moto's, in a process of its own) while the block runs: its endpoint URL, set as `AWS_ENDPOINT_URL` with test credentials (the environment is restored after); `bucket`: made empty"
+    "Moto's S3 server, in a process of its own, while the block runs: its URL, set as `AWS_ENDPOINT_URL` with test credentials; `bucket`: made"
+    # (the environment is restored after the block)
     # (a process of its own: DALI's `Pipeline.build()` holds the GIL, which would stall a server thread of this process)
     import select
     p = subprocess.Popen([sys.executable, '-c', _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
