@@ -240,13 +240,13 @@ class ShardIndex:
         tmp.write_text(json.dumps(side)); os.replace(tmp, idx.with_name(idx.name + '.json'))
 
     @classmethod
-    def read(cls, tar, idx):
+    def read(cls, tar, idx, head=None):
         "The index written by `write` to `idx`, or None when it is missing or the tar has changed since (size and mtime, or ETag)"
         # (DALI's index file itself is read only if its `samples` are asked for)
         idx = Path(idx); side = idx.with_name(idx.name + '.json')
         try: meta = json.loads(side.read_text())
         except (OSError, ValueError): return None
-        if is_s3(str(tar)): (size,etag),mtime = s3_head(str(tar)),None   # (the object's own errors: missing, refused, ...)
+        if is_s3(str(tar)): (size,etag),mtime = head or s3_head(str(tar)),None   # (`head`: its (size, ETag) asked already; the object's own errors: missing, refused, ...)
         else:
             try: st = os.stat(tar)
             except OSError: return None
@@ -305,11 +305,11 @@ def _copy_path(tar, etag, cache_dir=None):
     ix = _index_path(tar, cache_dir)
     return ix.with_name(f"{ix.stem}-{hashlib.sha1(etag.encode()).hexdigest()[:8]}.tar")
 
-def _load_index(tar, cache_dir, keep=False):
+def _load_index(tar, cache_dir, keep=False, head=None):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
     # (`keep`: a shard in object storage copied to the local disk, `ShardIndex.local`)
     places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir or is_s3(tar) else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
-    ix = next((ix for p in places if (ix := ShardIndex.read(tar, p)) is not None), None)
+    ix = next((ix for p in places if (ix := ShardIndex.read(tar, p, head)) is not None), None)
     stale = ix is None and any(p.with_name(p.name + '.json').exists() for p in places)
     if ix is None:
         ix = ShardIndex.scan_object(tar, keep=partial(_copy_path, tar, cache_dir=cache_dir)) if keep else ShardIndex.scan(tar)
@@ -326,22 +326,23 @@ def _copy_ok(c, size):
     try: return c.stat().st_size == size
     except OSError: return False
 
-def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=False, tars=None):
+def _indexes(paths, cache_dir=None, num_threads:int=None, stacklevel=3, keep=False, tars=None, heads=None):
     "The `ShardIndex` of every shard of `paths` (or of `tars`, found already) in order, a window of 2 x `num_threads` of them loaded at a time"
-    # (`keep`: those in object storage copied to the local disk)
+    # (`keep`: those in object storage copied to the local disk; `heads`: their (size, ETag) by shard, asked already)
     # (a caller that keeps what it needs of each and drops it holds a window's indexes, not all of them: their label
     # texts and columns are ~1 GB at a million samples)
     if tars is None: tars = shard_paths(paths)
     n,stale = min(len(tars), num_threads or default_num_threads()),[]
     with ThreadPoolExecutor(n) as ex:
         todo,going = iter(tars),collections.deque()
-        for t in itertools.islice(todo, 2*n): going.append(ex.submit(_load_index, t, cache_dir, keep and is_s3(t)))
+        load = lambda t: ex.submit(_load_index, t, cache_dir, keep and is_s3(t), (heads or {}).get(t))
+        for t in itertools.islice(todo, 2*n): going.append(load(t))
         while going:
             try: ix,s = going.popleft().result()
             except BaseException:
                 for f in going: f.cancel()   # (an error: what has not started is not waited for)
                 raise
-            if (t := next(todo, None)) is not None: going.append(ex.submit(_load_index, t, cache_dir, keep and is_s3(t)))
+            if (t := next(todo, None)) is not None: going.append(load(t))
             if s: stale.append(ix.tar)
             yield ix
             del ix   # (the caller's copy is all that is left of it)
@@ -360,8 +361,8 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
     if on_error not in ('raise', 'skip'): raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'skip'")
     res,skipped,memo = [],[],{}
     tars = shard_paths(paths)
-    keep = _keep_local(tars, cache_dir) if keep_local is None else bool(keep_local) and any(map(is_s3, tars))
-    for ix in _indexes(paths, cache_dir, num_threads, keep=keep, tars=tars):   # (each index dropped once its samples are made)
+    keep,heads = _keep_local(tars, cache_dir) if keep_local is None else (bool(keep_local) and any(map(is_s3, tars)),None)
+    for ix in _indexes(paths, cache_dir, num_threads, keep=keep, tars=tars, heads=heads):   # (each index dropped once its samples are made)
         im,texts = ix.images,ix.texts
         if im.imageless and on_error == 'skip': skipped += [f'{ix.tar}:{k}' for k in im.imageless]
         elif im.imageless:
@@ -376,16 +377,17 @@ def shard_samples(paths, cache_dir=None, num_threads:int=None, on_error='raise',
     return L(res)
 
 def _keep_local(tars, cache_dir, room=1.2):
-    "Whether to copy the shards of `tars` in object storage to the local disk: where the cache's disk has room for them (`room` x their size), else a warning says why not"
-    if not (objs := [t for t in tars if is_s3(t)]): return False
+    "Whether to copy the shards of `tars` in object storage to the local disk (where the cache's disk has room), and their (size, ETag)s"
+    # (room: `room` x the size of the copies still to make; where there is none, a warning says so)
+    if not (objs := [t for t in tars if is_s3(t)]): return False,None
     with ThreadPoolExecutor(min(16, len(objs))) as ex: heads = list(ex.map(s3_head, objs))
     need = sum(s for t,(s,e) in zip(objs, heads) if not _copy_ok(_copy_path(t, e, cache_dir), s))   # (copies made already take no more room)
     d = Path(cache_dir or cache_home('shards')); d.mkdir(parents=True, exist_ok=True)
-    if (free := shutil.disk_usage(d).free) >= room*need: return True
+    if (free := shutil.disk_usage(d).free) >= room*need: return True,dict(zip(objs, heads))
     warnings.warn(f"the {len(objs)} shard(s) in object storage ({need/1e9:.1f} GB) do not fit the free space of {d} ({free/1e9:.1f} GB): "
                   "each sample is read from the store, a request each (give cache_dir= on a larger disk; keep_local=False reads from "
                   "the store without this warning)", stacklevel=4)
-    return False
+    return False,dict(zip(objs, heads))
 
 
 # %% ../nbs/04d_shards.ipynb #c016

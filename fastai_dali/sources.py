@@ -184,17 +184,19 @@ class ShardSource:
     def encoded(self, i):
         "The encoded image of sample `i`"
         i = int(i)
-        t = self.tar[i]
-        if (c := self.copies[t]) is not None: return read_member(c, int(self.offset[i]), int(self.size[i]), self.item_name(i))   # (an object's local copy)
-        return read_member(self.tars[t], int(self.offset[i]), int(self.size[i]), self.item_name(i), self.etags[t])
+        return read_member(*self._where(int(i)))
+    def _where(self, i):
+        "`read_member`'s arguments for sample `i`: its shard (an object's local copy where one is kept), offset, size, name, ETag"
+        t,c = self.tar[i],self.copies[self.tar[i]]
+        return c or self.tars[t],int(self.offset[i]),int(self.size[i]),self.item_name(i),None if c else self.etags[t]
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
     def many(self, idx):
         "The checked images of items `idx`; from object storage, their reads in flight together (`s3_read_many`)"
         idx = [int(i) for i in idx]
         if not self.remote: return [self[i] for i in idx]
         from .storage import s3_read_many
-        far = [i for i in idx if self.copies[t := self.tar[i]] is None and self.tars[t].startswith('s3://')]   # (read from the store)
-        enc = dict(zip(far, s3_read_many([(self.tars[t], int(self.offset[i]), int(self.size[i]), self.etags[t]) for i in far for t in [self.tar[i]]])))
+        far = {i: w for i in idx if (w := self._where(i))[0].startswith('s3://')}   # (read from the store)
+        enc = dict(zip(far, s3_read_many([(w[0], w[1], w[2], w[4]) for w in far.values()])))
         return [checked_image(enc[i], (lambda i=i: self.name(i)), self.mode, self.load_truncated) if i in enc else self[i] for i in idx]
 
 # %% ../nbs/03c_sources.ipynb #6a4f0180
