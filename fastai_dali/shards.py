@@ -23,7 +23,7 @@ from fastai.vision.data import ImageBlock
 from .core import *
 from .dirs import cache_home
 from .sources import unguarded_script, spawn_blocked_msg, read_member, ShardSource
-from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open, s3_put, s3_upload, s3_download, Tee
+from .storage import is_s3, expand_braces, s3_list, s3_head, s3_open, s3_put, s3_upload, s3_download, Tee, temp_beside
 from .data import *
 
 # %% auto #0
@@ -204,7 +204,7 @@ class ShardIndex:
         size,etag = s3_head(tar)
         if keep is None: return cls._scan_stream(tar, s3_open(tar, etag), size, etag)
         keep = keep(etag); keep.parent.mkdir(parents=True, exist_ok=True)
-        tmp = keep.with_name(keep.name + f'.{os.getpid()}.{threading.get_ident()}.tmp')
+        tmp = temp_beside(keep)
         try:
             with open(tmp, 'wb') as f:
                 src = Tee(s3_open(tar, etag), f); ix = cls._scan_stream(tar, src, size, etag); src.drain()
@@ -235,7 +235,7 @@ class ShardIndex:
         lines = [f'v1.2 {len(self.samples)}'] + [' '.join(f'{e} {o} {s} {k}.{e}' for e,(o,s) in c.items()) for k,c in self.samples.items()]
         side = dict(tar_size=self.size, tar_mtime_ns=self.mtime_ns, tar_etag=self.etag, by='fastai_dali', samples=len(self.samples),
                     texts=self.texts, images=self.images.as_dict())
-        tmp = idx.with_name(idx.name + f'.{os.getpid()}.tmp')
+        tmp = temp_beside(idx)
         tmp.write_text('\n'.join(lines) + '\n'); os.replace(tmp, idx)
         tmp.write_text(json.dumps(side)); os.replace(tmp, idx.with_name(idx.name + '.json'))
 
@@ -305,9 +305,22 @@ def _copy_path(tar, etag, cache_dir=None):
     ix = _index_path(tar, cache_dir)
     return ix.with_name(f"{ix.stem}-{hashlib.sha1(etag.encode()).hexdigest()[:8]}.tar")
 
+@contextlib.contextmanager
+def _shard_lock(tar, cache_dir):
+    "Held while a shard in object storage is indexed and copied into `cache_dir`: processes sharing the cache (ranks) read it once"
+    if not is_s3(str(tar)): yield; return
+    import fcntl
+    p = _index_path(tar, cache_dir).with_suffix('.lock'); p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, 'a') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # (released when `f` closes, or when its process dies)
+        yield
+
 def _load_index(tar, cache_dir, keep=False, head=None):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
     # (`keep`: a shard in object storage copied to the local disk, `ShardIndex.local`)
+    with _shard_lock(tar, cache_dir): return _load_index_unlocked(tar, cache_dir, keep, head)
+
+def _load_index_unlocked(tar, cache_dir, keep, head):
     places = [_index_path(tar, w) for w in ([cache_dir] if cache_dir or is_s3(tar) else [None, cache_home('shards')])]   # (the cache: where the shards' folder is read-only)
     ix = next((ix for p in places if (ix := ShardIndex.read(tar, p, head)) is not None), None)
     stale = ix is None and any(p.with_name(p.name + '.json').exists() for p in places)
@@ -484,7 +497,7 @@ def _write_shard(job):
     # (a stopped run leaves no half shard; an `s3://` shard is uploaded from the temporary file)
     path,rows = job
     remote = is_s3(str(path))
-    tmp = Path(tempfile.mkdtemp(prefix='fastai_dali_shard_'))/'shard.tar' if remote else Path(path).with_name(Path(path).name + f'.{os.getpid()}.tmp')
+    tmp = Path(tempfile.mkdtemp(prefix='fastai_dali_shard_'))/'shard.tar' if remote else temp_beside(path)
     try:
         with tarfile.open(tmp, 'w', format=tarfile.PAX_FORMAT) as tf:
             for key,f,y in rows:
@@ -545,7 +558,15 @@ def write_shards(folder, out, per_shard:int=1000, train='train', valid='valid', 
     if progress: print()  # (the bar's line ends)
     res = {}
     for s,p in zip(splits, paths): res.setdefault(s, []).append(p)
+    if old := _left_over(out, remote, files, res):
+        warnings.warn(f"{len(old)} shard(s) under {out} were not written now (left by an earlier write of more shards), e.g. {old[0]}: "
+                      "from_shards of that folder reads them too; delete them, or write into an empty folder", stacklevel=2)
     return res
+
+def _left_over(out, remote, splits, written):
+    "The `.tar` files in `out`'s `splits` that are not among those `written` (by split)"
+    have = lambda s: s3_list(f'{out}/{s}/') if remote else map(str, (out/s).glob('*.tar'))
+    return [t for s in splits for t in sorted(set(have(s)) - set(map(str, written.get(s, []))))]
 
 # %% ../nbs/04d_shards.ipynb #a9c3e1f1
 def shards_main(argv=None):

@@ -4,13 +4,14 @@
 
 # %% ../nbs/03bb_storage.ipynb #s003
 from __future__ import annotations
-import contextlib, fnmatch, os, re, subprocess, sys, threading
+import contextlib, fnmatch, os, re, socket, subprocess, sys, threading
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 # %% auto #0
 __all__ = ['S3_TIMEOUTS', 'is_s3', 'split_s3', 'expand_braces', 's3_client', 's3_error', 's3_head', 's3_read', 'ObjectStream',
-           's3_open', 's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server', 'Tee', 's3_download']
+           's3_open', 's3_read_many', 's3_list', 's3_put', 's3_upload', 'local_s3_server', 'Tee', 'temp_beside',
+           's3_download']
 
 # %% ../nbs/03bb_storage.ipynb #s005
 def is_s3(p) -> bool:
@@ -202,10 +203,14 @@ class Tee:
         "Read (and copy) the rest of the stream"
         while self.read(chunk): pass
 
+def temp_beside(fn):
+    "A temporary name beside `fn`, its own to this host, process and thread (written, then renamed to `fn` in one step)"
+    fn = Path(fn); return fn.with_name(f'{fn.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp')
+
 def s3_download(url:str, fn, etag:str=None):
     "The object `url` (only while it has `etag`) into the file `fn`, through a temporary name: its path"
     fn = Path(fn); fn.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fn.with_name(fn.name + f'.{os.getpid()}.{threading.get_ident()}.tmp')
+    tmp = temp_beside(fn)
     try:
         with open(tmp, 'wb') as f: Tee(s3_open(url, etag), f).drain()
         os.replace(tmp, fn)

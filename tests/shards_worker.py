@@ -8,6 +8,7 @@ SHARDS (a folder, or `s3://bucket/prefix` in object storage) holds `train/*.tar`
    see every training sample (at most `world-1` twice; all of them without drop_last), a new permutation each epoch;
    unshuffled, the batches gathered from every rank (`to_detach`) are the samples in shard order;
 2. a Learner under `distrib_ctx`: `fit` on every rank's share, `get_preds` gathered in shard order.
+In object storage the ranks share one cache: each shard is read in full (indexed and copied) by one rank only, `scans`.
 Writes OUT/rank<r>.json; a failed check ends the rank with an error.
 """
 import json, os, sys, warnings
@@ -19,6 +20,11 @@ from conftest import ids_of, IdNet, IdLoss
 from distributed_worker import gather, check_train_epoch, gathered_in_order
 from fastai.vision.all import Learner
 from fastai_dali.all import *
+from fastai_dali.shards import ShardIndex
+
+SCANS = []   # the shards this rank read in full from object storage
+_scan_object = ShardIndex.scan_object.__func__
+ShardIndex.scan_object = classmethod(lambda cls, tar, keep=None: SCANS.append(tar) or _scan_object(cls, tar, keep))
 
 def loader_checks(root, world):
     n = 0
@@ -59,5 +65,5 @@ if __name__ == '__main__':
     rank,world = int(os.environ['RANK']),int(os.environ['WORLD_SIZE'])
     valid = learner_checks(root)   # (distrib_ctx starts the process group the loader checks use)
     if not dist.is_initialized(): dist.init_process_group('gloo')
-    res = dict(rank=rank, world=world, loaders=loader_checks(root, world), valid=valid)
+    res = dict(rank=rank, world=world, loaders=loader_checks(root, world), valid=valid, scans=SCANS)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

@@ -220,7 +220,7 @@ def test_bad_shards_named(tmp_path):
 @pytest.mark.skipif(DEVICE != 'cpu', reason='CPU processes only (gloo), as test_distributed.py')
 @pytest.mark.parametrize('world,store', [(2, 'disk'), (3, 'disk'), (2, 's3')])
 def test_shards_across_ranks(tmp_path, world, store):
-    "2 and 3 CPU processes under torchrun: each rank its share of the samples, exactly once, validation gathered in shard order; from a local S3 server too"
+    "2 and 3 CPU processes under torchrun: each rank its share of the samples, exactly once, validation gathered in shard order; from a local S3 server too (each shard read in full by one rank)"
     import contextlib, subprocess, sys
     from pathlib import Path
     from fastai_dali.storage import local_s3_server, s3_upload
@@ -238,6 +238,9 @@ def test_shards_across_ranks(tmp_path, world, store):
     if r.returncode: pytest.fail(f"exit {r.returncode}\n{r.stderr[-6000:]}", pytrace=False)
     res = [json.loads((tmp_path/'out'/f'rank{i}.json').read_text()) for i in range(world)]
     assert [o['rank'] for o in res] == list(range(world)) and all(o['loaders'] == 4 and o['valid'] == 11 for o in res)
+    if store == 's3':   # (the ranks share a cache: each shard read in full once, by one of them)
+        scans = sorted(t for o in res for t in o['scans'])
+        assert scans == sorted(f"s3://ranks/{f.relative_to(tmp_path/'shards').as_posix()}" for f in (tmp_path/'shards').rglob('*.tar')), scans
 
 def test_worker_processes(id_shards):
     "The default: `get_x` (reading the shards) in DALI's spawned worker processes; one shuffled epoch, every sample once"
@@ -305,3 +308,14 @@ def test_workers_import_neither_torch_nor_fastai(tmp_path):
     assert isinstance(src, ShardSource), type(src)
     assert seen_by_a_worker(src, 5) == ['6', hashlib.md5(read_sample(dls.train.items[5])).hexdigest(), 'False', 'False']
     assert read_sample(dls.train.items[5]) == png(5)
+
+def test_rewrite_with_fewer_shards_warns(tmp_path):
+    "Writing fewer shards over a folder that holds more: the ones left from before (which `from_shards` of the folder would read too) are named"
+    from fastai_dali.samples import make_image_folder
+    src = make_image_folder(tmp_path/'photos', n_train=6, n_valid=2, classes=('coffee', 'rocket'))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')   # (the first write, and the same write again: nothing left over, no warning)
+        write_shards(src, tmp_path/'out', per_shard=2, progress=False); write_shards(src, tmp_path/'out', per_shard=2, progress=False)
+    with pytest.warns(UserWarning, match=r"^4 shard\(s\) under .*out were not written now .* e\.g\. .*out/train/00003\.tar"):
+        res = write_shards(src, tmp_path/'out', per_shard=5, progress=False)
+    assert [len(v) for v in res.values()] == [3, 1]
