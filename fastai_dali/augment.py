@@ -302,7 +302,8 @@ class AffineParams:
         return list(self.matrices(u, sh[:,0], sh[:,1]).astype(np.float32))
 
 class WarpPoints:
-    "The points' maps of an `AffineParams` warp (`point_maps`), made on the host from the pipeline's outputs: the warp's draws (output `draws`) and its images' sizes (`size`: (h, w) numbers, or the name of an output whose first values are h, w)"
+    "The points' maps of an `AffineParams` warp (`point_maps`), made on the host from the pipeline's outputs: the warp's draws (output `draws`) and its images' sizes (`size`)"
+    # (`size`: (h, w) numbers, or the name of an output whose first values are h, w)
     def __init__(self, params:AffineParams, draws:str, size): store_attr()
     def __call__(self, outputs, n:int):
         u = np.asarray(outputs[self.draws], dtype=np.float64).reshape(n, -1)[:, :self.params.n_draws]

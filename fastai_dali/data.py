@@ -126,7 +126,8 @@ def _give_vocab(tfms, n_inp, items, train):
     c.vocab = CategoryMap(list(dict.fromkeys(parent_name(its[i]) for i in train)), sort=c.sort, add_na=c.add_na)
 
 def _datasets(dblock, source, cache_dir=None):
-    "`dblock.datasets(source)`, fastai's `get_image_files` (its walk kept in `cache_dir`: `image_files`), `GrandparentSplitter` and `parent_label` vocab as string operations, and splits that are runs of consecutive indices given to fastai's `Datasets` as `slice`s"
+    "`dblock.datasets(source)`, fastai's `get_image_files`, `GrandparentSplitter` and `parent_label` vocab as string operations, and splits that are runs of consecutive indices as `slice`s"
+    # (`get_image_files`' walk kept in `cache_dir`: `image_files`; the `slice`s given to fastai's `Datasets`)
     dblock.source = source   # (as fastai's `datasets` keeps it)
     items = image_files(source, cache_dir=cache_dir) if dblock.get_items is get_image_files else (dblock.get_items or noop)(source)
     paths = _all_paths(items)

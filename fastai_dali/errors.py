@@ -160,7 +160,9 @@ class JpegEndsCheck:
         "Raise a `DaliReadError` naming the first truncated JPEG of all, whatever the order read"
         if b := self.bad(): raise DaliReadError(read_error_msg(self.names[b[0][0]], f"the JPEG is truncated ({b[0][1]})")) from None
     def check_batch(self, idxs, ends=None):
-        "Before the items `idxs` are given: raise as `raise_if_bad` where one of them is a truncated JPEG (then after the whole check: the same error as a check before the first batch); `ends`: their first and last bytes as the pipeline read them, so that only the suspects' files are read again"
+        "Before the items `idxs` are given: raise as `raise_if_bad` where one of them is a truncated JPEG; `ends`: their first and last bytes as the pipeline read them"
+        # (then after the whole check: the same error as a check before the first batch; with `ends` only the suspects' files
+        # are read again)
         if self.done: return self.raise_if_bad()
         # (`idxs` may be on the GPU: read whole, or only at the suspects' rows, which are rare)
         if ends is not None: idxs = [int(idxs[i]) for i in np.flatnonzero(jpeg_suspects(ends))]

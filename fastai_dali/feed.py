@@ -150,7 +150,8 @@ class BuiltPipeline:
         return self._live is not None and self._live() is not None
     def finish_epoch(self): self.in_epoch,self.epoch = False,self.epoch+1
     def per_epoch(self):
-        "Whether each epoch needs a pipeline of its own: several shards of a reader shuffled with a seed (see \"Shards\"; a Python source draws each epoch's permutation itself, from DALI's epoch index, the same on every shard)"
+        "Whether each epoch needs a pipeline of its own: several shards of a reader shuffled with a seed (see \"Shards\")"
+        # (a Python source draws each epoch's permutation itself, from DALI's epoch index, the same on every shard)
         s = self.spec
         return self.source is None and s.num_shards > 1 and s.seed_given and s.shuffle and s.order is None
     def end_early(self):
@@ -282,7 +283,8 @@ class Feed:
         return self.targets_on[k]
 
     def check_jpeg_ends(self, num_threads:int=None):
-        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset); a large one is checked batch by batch instead, from the bytes its pipeline reads (`JpegEndsCheck` with `by_batch`)"
+        "Raise a `DaliReadError` naming the first truncated JPEG among the inputs' files, whatever the order read (once per dataset)"
+        # (a large dataset is checked batch by batch instead, from the bytes its pipeline reads: `JpegEndsCheck` with `by_batch`)
         if self.inputs.kind != 'files' or self.ends_checked == self.inputs_of: return
         if self.ends is None or self.ends.of != self.inputs_of:
             fs = self.inputs.files

@@ -77,7 +77,10 @@ class FolderIndex:
                (np.array([s.st_mtime_ns for s in st], np.int64) == self.mtimes).all()
 
     def keepable(self, racy_s=2) -> bool:
-        "Whether a later open can trust it: a whole walk whose folders' times move (some file systems keep one time for all, or none) and were last changed `racy_s` before it began (a folder is stat'ed after it is listed, and a file system's clock may tick by whole seconds: a change during the walk, or in the same tick right after it, would not show)"
+        "Whether a later open can trust it: a whole walk whose folders' times move and were last changed `racy_s` before it began"
+        # (times that move: some file systems keep one time for all, or none)
+        # (`racy_s` before: a folder is stat'ed after it is listed, and a file system's clock may tick by whole seconds: a
+        # change during the walk, or in the same tick right after it, would not show)
         m = self.mtimes
         if not self.complete or len(self.names) < self.min_items or (m == 0).any() or (len(m) > 1 and (m == m[0]).all()): return False
         return bool((m < self.walked_ns - racy_s*10**9).all())

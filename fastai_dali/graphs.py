@@ -260,14 +260,16 @@ def _replay(self:StepGraphCallback, g, xs, ys):
 # %% ../nbs/04e_graphs.ipynb #2d6e769e
 @patch
 def _contexts(self:StepGraphCallback):
-    "(the forward's, the backward's) autocast: the fit's `MixedPrecision` autocast (`amp`, found by `_setup`) without its cache around the forward and the loss (a graph cannot keep a cache), none around the backward and the step (fastai leaves it at `after_loss`)"
+    "(the forward's, the backward's) autocast: the fit's `MixedPrecision` autocast (`amp`) without its cache around the forward and the loss, none around the backward and the step"
+    # (`amp`: found by `_setup`; without its cache: a graph cannot keep a cache; none: fastai leaves it at `after_loss`)
     if self.amp is None: return contextlib.nullcontext,contextlib.nullcontext
     dev = self.dev.type
     return (lambda: torch.autocast(dev, dtype=self.amp, cache_enabled=False)),(lambda: torch.autocast(dev, enabled=False))
 
 @patch
 def _step(self:StepGraphCallback, xs, ys, eager=False):
-    "The training step the graph holds, as fastai's `_do_one_batch` and `_do_grad_opt` run it: forward and loss, backward, the optimizer's step (`device_step`; its numbers written here when `eager`, before each replay otherwise), the gradients zeroed"
+    "The training step the graph holds, as fastai's `_do_one_batch` and `_do_grad_opt` run it: forward and loss, backward, the optimizer's step (`device_step`), the gradients zeroed"
+    # (the step's numbers written here when `eager`, before each replay otherwise)
     fwd,bwd = self._contexts()
     learn = self.fit_learn
     with fwd():
@@ -295,7 +297,8 @@ def _eager(self:StepGraphCallback, xs, ys):
 
 @patch
 def _capture(self:StepGraphCallback, xs, ys):
-    "The step captured, its inputs a copy of this batch. The trainable tensors' gradients become the graph's own memory (its backward writes them, as in the plain loop that measured it), zeroed at the end of each replay as fastai zeroes them"
+    "The step captured, its inputs a copy of this batch, the trainable tensors' gradients the graph's own memory, zeroed at the end of each replay as fastai zeroes them"
+    # (its backward writes the gradients, as in the plain loop that measured it)
     learn = self.fit_learn
     opt = learn.opt
     if _hooked(self.eager): raise ValueError("StepGraphCallback: the model has hooks now (added after the fit began, e.g. `wandb.watch`): Python a replayed graph would skip")

@@ -95,7 +95,8 @@ def dali_files(files, mode='RGB', num_threads=None):
 
 # %% ../nbs/03d_items.ipynb #c008
 def packed(items):
-    "`items` packed by their class (its `dali_pack`, e.g. a shard's samples as columns of numbers; `Path`s as `PackedPaths`: each of DALI's worker processes receives a copy) where all are of one class that has one, else as they are"
+    "`items` packed by their class (its `dali_pack`; `Path`s as `PackedPaths`) where all are of one class that has one, else as they are"
+    # (e.g. a shard's samples as columns of numbers; packed: each of DALI's worker processes receives a copy)
     cls = type(items[0]) if len(items) else None
     pack = PackedPaths if cls is not None and issubclass(cls, PurePath) else getattr(cls, 'dali_pack', None)
     return pack(items) if callable(pack) and all(type(o) is cls for o in items) else items
@@ -121,7 +122,8 @@ class PythonSource(FnSource):
 
 # %% ../nbs/03d_items.ipynb #c009
 def x_sources(ds):
-    "Paths of the items of `ds` for DALI's reader, a source of encoded images when `get_x` gives bytes (`FnSource` for a plain function, `PythonSource` for fastai's transforms), or `None` (fastai loads them)"
+    "Paths of the items of `ds` for DALI's reader, a source of encoded images when `get_x` gives bytes, or `None` (fastai loads them)"
+    # (the source: `FnSource` for a plain function, `PythonSource` for fastai's transforms)
     items,pre = _x_pipeline(ds)
     x = lambda o: compose_tfms(o, tfms=pre) if pre else o
     if not items: return []

@@ -93,9 +93,9 @@ def _bucket_numbers(self:ForeachOptimizer, hyper, step):
 # %% ../nbs/04b_optimizer.ipynb #c007
 @patch
 def _moments(self:ForeachOptimizer, hyper, ps, states):
-    """The steppers `Adam` and `RAdam` share: weight decay, `average_grad(dampening=True)`, `average_sqr_grad`, `step_stat`;
-    then, for each step count (tensors unfrozen later have fewer), the step, its tensors, their grad averages, and their
-    buffers holding their sqr averages (for the denominators)"""
+    "The steppers `Adam` and `RAdam` share: weight decay, `average_grad(dampening=True)`, `average_sqr_grad`, `step_stat`; then, for each step count, the step, its tensors and their averages"
+    # (tensors unfrozen later have fewer steps; their averages: their grad averages, and their buffers holding their sqr
+    # averages, for the denominators)
     mom,sqr_mom = hyper['mom'],hyper['sqr_mom']
     self._decay(hyper, ps, states)
     gas = self._averages(ps, states, 'grad_avg', mom, 1-mom)
@@ -184,7 +184,8 @@ def plan_key(self:ForeachOptimizer, plan=None):
 @patch
 @torch.no_grad()
 def device_numbers(self:ForeachOptimizer, plan=None):
-    "Count this step and write its numbers (`_NUMBERS`, a row for each group and step count) into `self.numbers` on the parameters' device, with one copy: what `device_step` reads (`plan`: `_plan()`'s, if the caller has it)"
+    "Count this step and write its numbers (`_NUMBERS`, a row for each group and step count) into `self.numbers` on the parameters' device, with one copy: what `device_step` reads"
+    # (`plan`: `_plan()`'s, if the caller has it)
     if self.steppers == 'radam' and any(h.get('beta') for h in self.hypers):
         raise NotImplementedError("device_step: SAdam (`beta`) runs softplus a tensor at a time; use `step`")
     if plan is None: plan = self._plan()
@@ -206,7 +207,9 @@ def device_numbers(self:ForeachOptimizer, plan=None):
 
 # %% ../nbs/04b_optimizer.ipynb #ee079517
 def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, sqrs, bufs, wd, num):
-    "One bucket of `device_step`'s plan: its tensors `ps`, their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for weight decay, `num` its row of `device_numbers`. Plain foreach ops on lists, the optimizer nowhere: what `torch.compile` can fuse (`device_step(bucket=...)`)"
+    "One bucket of `device_step`'s plan, in plain foreach ops on lists, the optimizer nowhere: what `torch.compile` can fuse (`device_step(bucket=...)`)"
+    # (its tensors `ps`, their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for
+    # weight decay, `num` its row of `device_numbers`)
     decay,l2,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,avg_step = num.unbind()
     if any(wd):   # (a flag each, not a second list of the same tensors: a compiled function would see them aliased)
         dec = [p for p,w in zip(ps, wd) if w]
@@ -227,7 +230,8 @@ def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, 
 @patch
 @torch.no_grad()
 def device_step(self:ForeachOptimizer, bucket=bucket_step):
-    "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures; `bucket` runs each bucket of the plan (`bucket_step`, or a compiled `bucket_step`)"
+    "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures; `bucket` runs each bucket of the plan"
+    # (`bucket`: `bucket_step`, or a compiled `bucket_step`)
     adam = self.steppers != 'sgd'
     for b,(g,ps,states,wd) in enumerate(self._plan()):
         bucket(self.steppers, self.decouple_wd, self.momentum, ps, [p.grad for p in ps],

@@ -133,7 +133,9 @@ def _window_kw(op, mixed):
 
 # %% ../nbs/02_pipeline.ipynb #c005y
 def pipeline_outputs(img, y, masks, g:DaliGraph, ends=None):
-    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, `e` the files' first and last bytes (`jpeg_ends_node`, kept on the CPU), then the values the points' maps are made of (`DaliGraph.point_outputs`, kept on the CPU for the host, as the item indices with points)"
+    "A pipeline's outputs by name, in order: images `x`, item indices `y`, `m` masks, `e` the files' first and last bytes, then the values the points' maps are made of"
+    # (`e`: `jpeg_ends_node`, kept on the CPU; the points' values: `DaliGraph.point_outputs`, kept on the CPU for the host,
+    # as the item indices with points)
     res = dict(x=img, y=y)
     if masks is not None: res['m'] = masks
     if ends is not None: res['e'] = ends
@@ -183,7 +185,9 @@ _color = {'RGB': types.RGB, 'L': types.GRAY}
 def fastai_pipeline(files, labels, plan, train=False, shuffle=False, shard_id=0, num_shards=1, log=None, source=None,
                     py_workers=0, mask_files=None, reader_seed=0, hw_decoder_load=None, graph_seed=None, names=None,
                     host_memory_padding=None, jpeg_ends=False):
-    "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op; the random ops' seeds derive from `graph_seed` (default: the pipeline's `seed`); the outputs' names go to `names` (see `pipeline_outputs`); `jpeg_ends`: the files' first and last bytes too (`jpeg_ends_node`)"
+    "DALI graph: read `files` (with integer `labels`; or a `FileList` of both) or call `source`, decode, then `plan`'s item transforms and output op"
+    # (the random ops' seeds derive from `graph_seed`, default: the pipeline's `seed`; the outputs' names go to `names`, see
+    # `pipeline_outputs`; `jpeg_ends`: the files' first and last bytes too, `jpeg_ends_node`)
     pipe = Pipeline.current()
     gpu,graph_seed = pipe.device_id is not None,ifnone(graph_seed, pipe.seed)
     # DALI forbids stick_to_shard with shuffle_after_epoch. `shuffle_after_epoch` ignores `seed`: `shuffle_after_epoch_seed`

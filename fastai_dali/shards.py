@@ -137,7 +137,8 @@ def _ustar_members(tar, tar_size):
             pos = pos + 512 + (size + 511)//512*512
 
 class ShardImages:
-    "The image member of each sample of a shard that has one, as columns in the tar's order (`keys`, `exts`, `offsets`, `sizes`), and the keys of the samples without one (`imageless`): what `shard_samples` makes items of, kept in the index's sidecar"
+    "The image member of each sample of a shard that has one, as columns in the tar's order, and the keys of the samples without one (`imageless`): what `shard_samples` makes items of"
+    # (the columns: `keys`, `exts`, `offsets`, `sizes`; kept in the index's sidecar)
     __slots__ = ('keys', 'exts', 'offsets', 'sizes', 'imageless')
     def __init__(self, keys, exts, offsets, sizes, imageless):   # (lists: JSON's own)
         self.keys,self.exts,self.offsets,self.sizes,self.imageless = keys,exts,offsets,sizes,imageless
@@ -165,7 +166,8 @@ def _dali_index(idx):
     return samples
 
 class ShardIndex:
-    "The samples of one tar shard, in the tar's order: each key's members `{ext: (offset, size)}` (read from DALI's index file `idx` when first asked for), the text of its small label members, and the columns of its images (`ShardImages`)"
+    "The samples of one tar shard, in the tar's order: each key's members `{ext: (offset, size)}`, the text of its small label members, and the columns of its images (`ShardImages`)"
+    # (the members: read from DALI's index file `idx` when first asked for)
     def __init__(self, tar, samples:dict|None, texts:dict, size:int=None, mtime_ns:int=None, images:ShardImages=None, idx=None,
                  etag:str=None):
         store_attr('tar,texts,size,mtime_ns,idx,etag')   # (`etag`: a shard in object storage, where `mtime_ns` is None)
@@ -451,7 +453,8 @@ def _vocab_file(tars):
         if (p/'vocab.json').exists(): return json.loads((p/'vocab.json').read_text())
 
 def _train_vocab(items, train, get_y, multi_label):
-    "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once (fastai's `Categorize` setup runs each item through its pipeline)"
+    "fastai's vocab of the training `items` (indices `train`): their labels, or the union of their lists of labels, sorted, each label read once"
+    # (fastai's `Categorize` setup runs each item through its pipeline)
     items = items.items if isinstance(items, L) else items   # (its list's own indexing: fastcore's `L` checks each index)
     ys = get_y.labels_of([items[i] for i in train])
     ys = set().union(*ys) if multi_label else set(ys)
@@ -514,7 +517,8 @@ def _write_shard(job):
 PARALLEL_MIN = 20_000  # files from which `write_shards` writes shards in worker processes (below it their start costs more)
 
 def _shard_procs(procs, n_files, n_shards):
-    "How many processes write the shards: `procs` if given, else the machine's cores for a large folder; 1, said in a warning, where this runs at a script's top level without a main guard (spawned workers would run the script again)"
+    "How many processes write the shards: `procs` if given, else the machine's cores for a large folder; 1, said in a warning, where this runs at a script's top level without a main guard"
+    # (spawned workers would run the script again)
     if procs is None: procs = default_num_threads() if n_files >= PARALLEL_MIN else 1
     n = max(1, min(procs, n_shards))
     if n > 1 and (script := unguarded_script()) is not None:

@@ -103,7 +103,8 @@ def pack_bytes(xs):
 _JPEG = b'\xff\xd8\xff'
 
 def checked_image(x, name, mode='RGB', load_truncated=False):
-    "Encoded image `x` as DALI's decoder takes it (a uint8 array): a JPEG cut short raises a `DaliReadError` naming `name()` (unless fastai's PIL loads truncated images), a format DALI decodes otherwise than PIL goes as a lossless PNG of fastai's pixels in `mode`"
+    "Encoded image `x` as DALI's decoder takes it (a uint8 array): a JPEG cut short raises a `DaliReadError` naming `name()`, a format DALI decodes otherwise than PIL goes as a PNG"
+    # (no error for a JPEG cut short where fastai's PIL loads truncated images; the PNG: lossless, of fastai's pixels in `mode`)
     from fastai_dali.formats import jpeg_ends   # (here: DALI's workers import this module without PIL)
     jpeg = bytes(x[:3]) == _JPEG
     if jpeg and not load_truncated and not jpeg_ends(bytes(x[-4096:])):  # a JPEG cut short: nvJPEG decodes it silently
@@ -154,7 +155,8 @@ def _load_truncated(v):
     return ImageFile.LOAD_TRUNCATED_IMAGES
 
 class FnSource:
-    "The encoded image the plain function `fn` (a `get_x` returning bytes) gives for item `i`, checked (`checked_image`): what DALI's worker processes run for such a `get_x`, importing `fn`'s own module and not fastai; `load_truncated` None: this process's PIL setting"
+    "The encoded image the plain function `fn` (a `get_x` returning bytes) gives for item `i`, checked (`checked_image`): what DALI's worker processes run for such a `get_x`"
+    # (the workers import `fn`'s own module and not fastai; `load_truncated` None: this process's PIL setting)
     def __init__(self, items, fn, mode='RGB', load_truncated=None):
         self.items,self.fn,self.mode,self.load_truncated = items,fn,mode,_load_truncated(load_truncated)
     def __len__(self): return len(self.items)
@@ -171,7 +173,8 @@ class FnSource:
     def __getitem__(self, i): return checked_image(self.encoded(i), lambda: self.name(i), self.mode, self.load_truncated)
 
 class ShardSource:
-    "The encoded image of item `i` of tar shards' samples (`samples`: `TarSamples`, whose columns it keeps), read by offset and checked (`checked_image`): `from_shards`' `get_x` as DALI's worker processes run it"
+    "The encoded image of item `i` of tar shards' `samples`, read by offset and checked (`checked_image`): `from_shards`' `get_x` as DALI's worker processes run it"
+    # (`samples`: `TarSamples`, whose columns it keeps)
     def __init__(self, samples, mode='RGB', load_truncated=None):
         self.__dict__.update(vars(samples))  # (numbers and strings: a worker needs no class of fastai_dali.shards)
         self.mode,self.load_truncated = mode,_load_truncated(load_truncated)
@@ -255,7 +258,9 @@ def _guarded_lines(source:str):
     return [(n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.If) and _is_main_test(n.test)]
 
 def unguarded_script():
-    "The file of the script running as `__main__` when spawned worker processes cannot start from this call: its top level outside `if __name__ == '__main__':` (they would run it again), or code read from standard input (`<stdin>`: they cannot import it, guarded or not); else None"
+    "The file of the script running as `__main__` when spawned worker processes cannot start from this call (its top level outside a main guard, or `<stdin>`), else None"
+    # (a top level outside `if __name__ == '__main__':`: they would run it again; code read from standard input, `<stdin>`:
+    # they cannot import it, guarded or not)
     main = sys.modules.get('__main__')
     f = getattr(main, '__file__', None)
     if not f: return None  # a notebook, `python -c`: nothing to import again

@@ -97,7 +97,9 @@ class TargetPlan:
 
 # %% ../nbs/03da_targets.ipynb #c014
 def setup_as_fastai(dl):
-    "Set up the transforms of loader `dl` as fastai's `TfmdDL` does, with `CropPad` left out of its item transforms' setup when there are points: fastai's `PointScaler.setups` runs an item through them, and `CropPad` (order 0) fails on points still in pixels (DaliDL moves them with the image)"
+    "Set up the transforms of loader `dl` as fastai's `TfmdDL` does, with `CropPad` left out of its item transforms' setup when there are points"
+    # (fastai's `PointScaler.setups` runs an item through them, and `CropPad` (order 0) fails on points still in pixels;
+    # DaliDL moves them with the image)
     ai = dl.after_item
     fs = ai.fs[:]
     hide = any(isinstance(t, PointScaler) for t in fs) and any(isinstance(t, CropPad) for t in fs)
@@ -150,7 +152,8 @@ def move_boxes(b, f):
     return np.concatenate([np.minimum(np.minimum(c0, c1), np.minimum(c2, c3)), np.maximum(np.maximum(c0, c1), np.maximum(c2, c3))], -1)
 
 def bb_pad_batch(boxes, labels, n, pad_idx=0):
-    "fastai's `bb_pad` on a batch: boxes (B,k,4, the first `n` of each valid) clipped to [-1, 1], those with no area dropped with their labels, the rest padded (boxes with 0, labels with `pad_idx`) to the longest"
+    "fastai's `bb_pad` on a batch: boxes (B,k,4, the first `n` of each valid) clipped to [-1, 1], those with no area dropped with their labels, the rest padded to the longest"
+    # (padded: boxes with 0, labels with `pad_idx`)
     B,k = boxes.shape[:2]
     b = boxes.clip(-1, 1)
     keep = (np.arange(k) < n[:, None]) & ((b[..., 2]-b[..., 0])*(b[..., 3]-b[..., 1]) > 0)
@@ -216,7 +219,8 @@ def batch(self:TargetPlan, targets, idx, d, mask=None, maps:HostMaps=None, devic
 
 # %% ../nbs/03da_targets.ipynb #c021
 def _crop_points(p, tl, cp, H, W, size):
-    "Points `p` in [-1, 1] of an image `H` x `W` in [-1, 1] of its window at `tl` (y, x) of `cp` (h, w) pixels resized to `size` (h, w) as `F.grid_sample(align_corners=True)` resizes it: the first and last pixels' centres stay in place"
+    "Points `p` in [-1, 1] of an image `H` x `W` in [-1, 1] of its window at `tl` (y, x) of `cp` (h, w) pixels resized to `size` (h, w) as `F.grid_sample(align_corners=True)` resizes it"
+    # (the first and last pixels' centres stay in place)
     def axis(v, n, t, c, s):
         j = ((v + 1)*n/2 - 0.5 - t)*(s - 1)/max(c - 1, 1)   # the centre of pixel `j` of the output
         return (j + 0.5)*2/s - 1

@@ -206,7 +206,8 @@ class DaliGraph:
         s = self.size(img)
         return fn.constant(idata=[int(v) for v in s], dtype=types.INT64) if isinstance(s, tuple) else s
     def move(self, f, *inputs):
-        "Move the points with the images: the `PointMap` `f(*values)` (pixels before the step -> after it) of the per-sample values of `inputs` (DataNodes or numbers), after the steps so far (a graph without points: nothing)"
+        "Move the points with the images: the `PointMap` `f(*values)` (pixels before the step -> after it) of the per-sample values of `inputs`, after the steps so far"
+        # (`inputs`: DataNodes or numbers; a graph without points: nothing)
         if self.geom is not None: self.geom.append((f, inputs))
     def point_output(self, node):
         "The name of `node` among the pipeline's outputs the points' maps are made of (added once)"

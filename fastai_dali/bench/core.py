@@ -232,7 +232,9 @@ def bench_loaders(loaders:dict, max_batches=None, warmup=3, repeats=3, baseline=
     return res
 
 def round_ratio(runs, base):
-    "The ratio of a row's passes `runs` to the baseline's `base`, timed in the same rounds: each round's ratio, then their median (a round times both rows within seconds of each other, so a drift of the machine over the run, which moves one row's median against another's, cancels in it); and the rounds' ratios"
+    "The ratio of a row's passes `runs` to the baseline's `base`, timed in the same rounds: the median of the rounds' ratios, and those ratios"
+    # (a round times both rows within seconds of each other, so a drift of the machine over the run, which moves one row's
+    # median against another's, cancels in it)
     rs = [a/b for a,b in zip(runs, base)]
     return statistics.median(rs),rs
 

@@ -83,7 +83,8 @@ def _loaders(kind, root, device, workers, bs, dali_kw=None):
     return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw, **(dali_kw or {}))
 
 def _rest_of_epochs(dl, it, t_first, epochs, window=100):
-    "The first epoch of `dl` finished from iterator `it` (its first batch taken at `t_first`), then `epochs`-1 more, whole: each epoch's seconds and img/s (the first one's counted after its first batch, whose wait is the open's), and the first epoch's img/s in windows of `window` batches"
+    "The first epoch of `dl` finished from iterator `it` (its first batch taken at `t_first`), then `epochs`-1 whole ones: each one's seconds and img/s, and the first's img/s in windows of `window` batches"
+    # (the first epoch's figures counted after its first batch, whose wait is the open's)
     import torch
     sync = torch.cuda.synchronize if torch.cuda.is_available() else noop
     secs,ips,windows = [],[],[]
@@ -103,7 +104,9 @@ def _peak_mb():
     with open('/proc/self/status') as f: return next(int(l.split()[1]) for l in f if l.startswith('VmHWM:'))/1024
 
 def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None, epochs=0):
-    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders (fastai's `get_image_files` alone for that row), take the first training batch, then (`epochs`) run that many whole epochs; the figures as a dict (`trace`: a folder for its profile and RSS trace of the open; `dali_kw`: more settings of the DALI rows)"
+    "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders, take the first training batch, then (`epochs`) run that many whole epochs; the figures as a dict"
+    # (the row 'get_image_files': fastai's `get_image_files` alone; `trace`: a folder for its profile and RSS trace of the
+    # open; `dali_kw`: more settings of the DALI rows)
     import resource, cProfile, pstats
     if kind not in SCALE_KINDS: raise ValueError(f"unknown row {kind!r}: one of {', '.join(SCALE_KINDS)}")
     if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
@@ -141,7 +144,10 @@ def scale_process(kind, root, **kw):
 # %% ../../nbs/07g_bench_scale.ipynb #e883f90f
 def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, dali_kw=None, log=print,
                epochs=0):
-    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON; `epochs`: whole epochs after the first batch, one for `ImageDataLoaders`, whose first one is what the others' open and first epoch are compared with)"
+    "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts"
+    # (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON;
+    # `epochs`: whole epochs after the first batch, one for `ImageDataLoaders`, whose first one is what the others' open and
+    # first epoch are compared with)
     res = []
     if any(k.startswith('from_shards') for k in kinds):
         if not shards: raise ValueError("the from_shards rows need `shards`: how many samples a shard")
@@ -178,7 +184,9 @@ def scale_markdown(rows, title=''):
     return res + ('\n\n' + epochs_markdown(rows) if any('epoch_s' in o for o in rows) else '')
 
 def epochs_markdown(rows):
-    "A markdown table of the rows' whole epochs (`scale_rows(..., epochs=)`): each epoch's img/s, the first one's against the second's, its slowest window of 100 batches, the open and first epoch against `ImageDataLoaders`' of the same repeat, the peak memory through the epochs against its"
+    "A markdown table of the rows' whole epochs (`scale_rows(..., epochs=)`): their img/s, and the open, first epoch and peak memory against `ImageDataLoaders`'"
+    # (each epoch's img/s, the first one's against the second's, its slowest window of 100 batches; the open and first epoch
+    # against `ImageDataLoaders`' of the same repeat, the peak memory through the epochs against its)
     base,n = [o for o in rows if o['kind'] == 'ImageDataLoaders'],len({o['kind'] for o in rows})
     def cells(o, i):
         b,ips = (base[i//n] if base else None),o['epoch_ips']

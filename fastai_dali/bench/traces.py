@@ -47,13 +47,14 @@ def loader_waits(events, batches, graph_stream, late_us=1000):
 
 # %% ../../nbs/07j_bench_traces.ipynb #t005
 def between_replays(events, batches, stall_us=1000):
-    """The graph's stream between one replay and the next, a batch (ms): the gap from one replay's last kernel to the
-    next one's first; the part of it after the batch had reached the host (DALI's `share_outputs` returned, or the
-    `fetch thread`'s queue; with no Python stacks the fit thread's last `cudaEventSynchronize` before the launch), i.e.
-    the host's own path from the loader's outputs to the launch; the stream's own work in the gaps (the batch's copies);
-    the host's wait for the batch; the host's time from the batch to the launch; the median delay from a launch to its
-    first kernel (the GPU's backlog: ~0 where the host is late); the stalls (gaps over `stall_us`); and, with Python
-    stacks, Python calls a batch on the fit's thread and the top-level calls between the batch and the launch"""
+    "The graph's stream between one replay and the next, a batch (ms): the gap, its part after the batch reached the host, the host's wait and path to the launch, the launch's delay, the stalls"
+    # (the gap: from one replay's last kernel to the next one's first; the part of it after the batch had reached the host
+    # (DALI's `share_outputs` returned, or the `fetch thread`'s queue; with no Python stacks the fit thread's last
+    # `cudaEventSynchronize` before the launch), i.e. the host's own path from the loader's outputs to the launch; the
+    # stream's own work in the gaps (the batch's copies); the host's wait for the batch; the host's time from the batch to
+    # the launch; the median delay from a launch to its first kernel (the GPU's backlog: ~0 where the host is late); the
+    # stalls (gaps over `stall_us`); and, with Python stacks, Python calls a batch on the fit's thread and the top-level
+    # calls between the batch and the launch)
     launch = sorted((e for e in events if e.get('cat') == 'cuda_runtime' and e.get('name') == 'cudaGraphLaunch'), key=lambda e: e['ts'])
     if len(launch) < 2: return {}
     tid,corr = launch[0]['tid'],{e['args']['correlation']: i for i,e in enumerate(launch)}
@@ -122,10 +123,10 @@ def _covered(merged, windows):
     return sum(max(0, min(b, wb) - max(a, wa)) for a,b in merged for wa,wb in windows)
 
 def in_stalls(events, windows, span, graph_stream, fit_tid):
-    """What the rest of the GPU and the loader's busiest thread do in the stalls' `windows`, against the rest of `span`
-    (shares of time): the other streams' work (their union), the thread launching most kernels outside the fit's
-    thread (DALI's decoder) in CUDA calls; and that thread's pace, the median time from one of its host-to-device
-    copies to the next (one an image on the hardware decoder's path)"""
+    "What the rest of the GPU and the loader's busiest thread do in the stalls' `windows`, against the rest of `span` (shares of time); and that thread's pace"
+    # (the other streams' work (their union), the thread launching most kernels outside the fit's thread (DALI's decoder) in
+    # CUDA calls; its pace: the median time from one of its host-to-device copies to the next (one an image on the hardware
+    # decoder's path))
     if not windows: return {}
     w = sum(b - a for a,b in windows); rest = max(1., span[1] - span[0] - w)
     gpu = _union((e['ts'], e['ts'] + e['dur']) for e in events if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')

@@ -54,7 +54,9 @@ def serial_bound(model_img_s, loader_img_s):
     return 1/(1/model_img_s + 1/loader_img_s)
 
 def bench_learner(dls, arch, n_out, bf16=True, channels_last=True, model=None, opt_func=None, fast_path=False):
-    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`); on `DaliDataLoaders` the fast path a Learner takes by default (`DaliFastPathCallback`) only with `fast_path`, so that each row is what it names"
+    "The Learner the fit rows time: a randomly initialised `arch` (or `model`) on `dls`, bf16 and channels_last, with `opt_func` (None: fastai's `Adam`)"
+    # (on `DaliDataLoaders` the fast path a Learner takes by default (`DaliFastPathCallback`) only with `fast_path`, so that
+    # each row is what it names)
     m = model if model is not None else create_vision_model(arch, n_out, pretrained=False)
     own = 'fast_path' in vars(dls)  # (an instance's own setting, or the class's default)
     was = getattr(dls, 'fast_path', None)
@@ -74,14 +76,15 @@ def _timed_epochs(runs, into=None):
     return float(statistics.median(timed))
 
 def fit_throughput(dls, arch, n_out, epochs=3, bf16=True, channels_last=True, cbs=(), runs=None):
-    "Training img/s of `learn.fit` for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`, `epochs` epochs (`fit_epochs`): the median of the epochs after the first (each appended to `runs`)"
+    "Training img/s of `learn.fit` for a randomly initialised `arch` on `dls` (bf16, channels_last), with `cbs`, `epochs` epochs (`fit_epochs`): the median of the epochs after the first"
+    # (each of them appended to `runs`)
     epoch = fit_epochs(dls, arch, n_out, bf16, channels_last, cbs)
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
 def torch_optimizer(model, opt='sgd', lr=1e-3):
-    """The plain loop's optimizer: 'sgd' (torch's SGD, momentum 0.9), or fastai's `Adam` as torch's AdamW, with fastai's
-    hyper-parameters (betas (0.9, 0.99), eps 1e-5, decoupled weight decay 0.01, none on batch-norm and bias parameters):
-    'adamw' (torch's foreach kernels) or 'adamw_fused' (its fused kernel)"""
+    "The plain loop's optimizer: 'sgd' (torch's SGD, momentum 0.9), or fastai's `Adam` as torch's AdamW: 'adamw' (torch's foreach kernels) or 'adamw_fused' (its fused kernel)"
+    # (AdamW with fastai's hyper-parameters: betas (0.9, 0.99), eps 1e-5, decoupled weight decay 0.01, none on batch-norm
+    # and bias parameters)
     if opt == 'sgd': return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if opt not in ('adamw', 'adamw_fused'): raise ValueError(f"opt={opt!r}: 'sgd', 'adamw' or 'adamw_fused'")
     from fastai.torch_core import norm_bias_params
@@ -92,9 +95,8 @@ def torch_optimizer(model, opt='sgd', lr=1e-3):
                              **(dict(fused=True) if opt == 'adamw_fused' else dict(foreach=True)))
 
 def torch_loop_epochs(dl, arch, n_out, bf16=True, channels_last=True, device='cuda', opt='sgd', graphs=False):
-    """A function that trains a plain PyTorch loop over `dl` (`torch_optimizer(opt)`, bf16 autocast, channels_last, no
-    callbacks; with `graphs` the model `torch.compile`d with mode 'reduce-overhead', as `CudaGraphCallback` compiles it)
-    one more epoch and returns its img/s"""
+    "A function that trains a plain PyTorch loop over `dl` (`torch_optimizer(opt)`, bf16 autocast, channels_last, no callbacks) one more epoch and returns its img/s"
+    # (with `graphs` the model `torch.compile`d with mode 'reduce-overhead', as `CudaGraphCallback` compiles it)
     mf = torch.channels_last if channels_last else torch.contiguous_format
     # `.train()`: `create_vision_model` leaves the body in eval mode (fastai's `dummy_eval` measures its features with
     # `m.eval()`), which a `Learner`'s fit undoes and a plain loop must: batch norm on the batch's statistics, as fastai trains
@@ -119,13 +121,14 @@ def torch_loop_throughput(dl, arch, n_out, epochs=3, bf16=True, channels_last=Tr
     return _timed_epochs([epoch() for _ in range(epochs)], runs)
 
 def fit_epochs(dls, arch, n_out, bf16=True, channels_last=True, cbs=(), opt_func=None, bar=False, compile=None, fast_path=False):
-    """A function that trains a `bench_learner` (made once, with `opt_func`; its model `torch.compile`d with mode `compile`
-    if given: 'default', 'max-autotune-no-cudagraphs', 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs),
-    'step' (`StepGraphCallback`: the whole training step one CUDA graph, the model's kernels compiled))
-    one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s (with
-    `fast_path`, on `DaliDataLoaders`, the Learner as a user's is made, `DaliFastPathCallback`'s swaps included; without it,
-    the default here, fastai's own loop unless `opt_func`/`cbs` say otherwise); the
-    wall seconds of each of its epochs go to its `seconds` (a compiled model's first epoch: the compilation)"""
+    "A function that trains a `bench_learner` (made once, with `opt_func`) one more epoch of `learn.fit`, validation skipped, the progress bar on if `bar`, and returns its training img/s"
+    # (`compile`: the model `torch.compile`d with that mode if given: 'default', 'max-autotune-no-cudagraphs',
+    # 'reduce-overhead' (`CudaGraphCallback`: training batches replayed as CUDA graphs), 'step' (`StepGraphCallback`: the
+    # whole training step one CUDA graph, the model's kernels compiled))
+    # (with `fast_path`, on `DaliDataLoaders`, the Learner as a user's is made, `DaliFastPathCallback`'s swaps included;
+    # without it, the default here, fastai's own loop unless `opt_func`/`cbs` say otherwise)
+    # (the wall seconds of each of its epochs go to the function's `seconds`; a compiled model's first epoch: the
+    # compilation)
     learn,t = bench_learner(dls, arch, n_out, bf16, channels_last, opt_func=opt_func, fast_path=fast_path),train_timer(validate=False)
     if compile == 'reduce-overhead': cbs = [*cbs, CudaGraphCallback()]  # what a user gets: training batches as CUDA graphs
     elif compile == 'step': cbs = [*cbs, StepGraphCallback()]   # the whole step one graph (kept from one `fit` to the next)
@@ -295,7 +298,8 @@ def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, c
 
 # %% ../../nbs/07d_bench_training.ipynb #c020v
 def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
-    "A user's script on `dls`: `vision_learner(dls, arch, pretrained=False, cbs=cbs)`, `to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`), one `fit(epochs, lr)`: each epoch's training img/s and seconds, and the median of the epochs after the first"
+    "A user's script on `dls`, one `fit(epochs, lr)` of `vision_learner(dls, arch, pretrained=False, cbs=cbs)`: each epoch's training img/s and seconds, and the median of the epochs after the first"
+    # (`to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`))
     from fastai.vision.learner import vision_learner
     learn = vision_learner(dls, arch, pretrained=False, cbs=list(cbs))
     if dls.device is not None and torch.device(dls.device).type == 'cuda':   # (the model goes to the loaders' device at the fit's start)
@@ -309,7 +313,8 @@ def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
 ROW_USER = "a user's script (vision_learner, to_bf16, the bar, validation, one fit)"
 
 def user_rows(dls, rrc, arch, epochs=4, graphs=True):
-    "`user_fit`'s rows of one arch, {row: its figures}: with `StepGraphCallback()` on `dls` and on `rrc` (RandomResizedCrop + aug_transforms(); None: left out) where `graphs`, and a Learner's defaults with the bar and without"
+    "`user_fit`'s rows of one arch, {row: its figures}: with `StepGraphCallback()` on `dls` and on `rrc` where `graphs`, and a Learner's defaults with the bar and without"
+    # (`rrc`: loaders with RandomResizedCrop + aug_transforms(); None: its row left out)
     rows = {}
     if graphs: rows.update({f'{ROW_USER}, StepGraphCallback': (dls, [StepGraphCallback()], True),
                             f'{ROW_USER}, StepGraphCallback, RandomResizedCrop + aug_transforms()': (rrc, [StepGraphCallback()], True)})
