@@ -55,7 +55,7 @@ def resume(self:DaliDL, cp:LoaderCheckpoint):
     self.feed.resume(cp.feed)
 
 # %% ../nbs/04f_resume.ipynb #r011
-import io, os, time, random
+import io, os, time, random, weakref
 from functools import partial
 from fastcore.basics import noop
 from fastai.torch_core import num_distrib, rank_distrib
@@ -93,15 +93,22 @@ def _set_rng_states(s):
     random.setstate(s['python']); np.random.set_state(s['numpy']); torch.set_rng_state(s['torch'])
     if s['cuda'] is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s['cuda'])
 
+@dataclass
+class _Fits:
+    "This process's fits of a learner with one checkpoint file, whichever `ResumeCallback` instances were given them"
+    n:int = 0              # the fits begun
+    state:dict = None      # the checkpoint this process goes on from, until it has
+
+_FITS = weakref.WeakKeyDictionary()   # learner -> {checkpoint file: _Fits}
+
 class ResumeCallback(Callback):
     "Save what `learn.fit` needs to go on every `every` training batches and `minutes` (atomically, to `learn.path/learn.model_dir/fname.ckpt`); a fit started where the file is goes on from it"
     order,run_valid = 95,False   # (after fastai's `TrainEvalCallback`, `DistributedTrainer` and `Recorder`)
     def __init__(self, fname:str='resume', every:int=None, minutes:float=10., resume:bool=True):
         store_attr()
-        self.n_fits = 0        # fits of the learner begun in this process
+        self.fits = None       # this process's fits of the learner with this file (`_Fits`, kept by the learner)
         self.k = 0             # the index of the fit under way among them
         self.since,self.t0 = 0,time.monotonic()   # training batches and the time since the last save
-        self.state = None      # the checkpoint this process goes on from, until it has
         self.skip_to = None    # (epoch, batch) of this fit where it goes on
         self.skipped = False   # this epoch (or fit) was one the checkpoint had run: nothing saved at its end
         self.train_dl = None   # the loader this training phase iterates (a rank's shard under `distrib_ctx`)
@@ -116,15 +123,16 @@ class ResumeCallback(Callback):
 # %% ../nbs/04f_resume.ipynb #r015
 @patch
 def before_fit(self:ResumeCallback):
-    learn,self.k,self.skip_to,self.skipped = self.learn,self.n_fits,None,False
-    self.n_fits += 1
+    learn,self.skip_to,self.skipped = self.learn,None,False
+    fits = self.fits = _FITS.setdefault(learn, {}).setdefault(str(self.path), _Fits())
+    self.k,fits.n = fits.n,fits.n+1
     if not isinstance(learn.dls.train, DaliDL): raise TypeError("ResumeCallback: the learner's training loader is not a DaliDL (DaliDataLoaders)")
     learn.dls.train.checkpointing = True
     loader_fingerprint(learn.dls.train)   # (its items' digest, once: 0.5 s for 1.28M file names, not paid at a checkpoint)
-    if self.k == 0 and self.resume and self.path.exists(): self.state = load_checkpoint(self.path)
-    s = self.state
+    if self.k == 0 and self.resume and self.path.exists(): fits.state = load_checkpoint(self.path)
+    s = fits.state
     if s is None: return
-    if s['fit'] < self.k: self.state = None; return   # (gone on from it: this fit is new)
+    if s['fit'] < self.k: fits.state = None; return   # (gone on from it: this fit is new)
     learn.model.load_state_dict(s['model'])
     if s['fit'] > self.k: self.skipped = True; raise CancelFitException   # a fit that ended before the checkpoint's: as it ended
     learn.opt.load_state_dict(s['opt'])
@@ -147,7 +155,7 @@ def before_train(self:ResumeCallback): self.since,self.t0,self.train_dl = 0,time
 
 def _resumed_batches(cb:ResumeCallback):
     "fastai's `all_batches` for the training phase that goes on from the checkpoint (every `before_train` has run)"
-    learn,s,start = cb.learn,cb.state,cb.skip_to[1]
+    learn,s,start = cb.learn,cb.fits.state,cb.skip_to[1]
     rec = learn.recorder
     rec.lrs,rec.iters,rec.losses,rec.values = [list(s['recorder'][k]) for k in ('lrs', 'iters', 'losses', 'values')]
     sl = rec.smooth_loss
@@ -156,7 +164,7 @@ def _resumed_batches(cb:ResumeCallback):
     learn.train_iter,learn.pct_train = s['train_iter'],s['pct_train']
     if s['loader'] is not None: learn.dl.resume(s['loader'])
     _set_rng_states(s['rng'])
-    cb.skip_to,cb.state = None,None
+    cb.skip_to,cb.fits.state = None,None
     learn.n_iter = len(learn.dl)
     for i,b in enumerate(learn.dl, start): learn.one_batch(i, b)
 

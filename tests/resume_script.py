@@ -4,7 +4,8 @@ SOURCE: 'folder' (`from_folder`), 'mixed' (a `get_x` giving each file's bytes) o
 Every training batch goes to OUT/batches.jsonl as it is trained (epoch, iteration, a digest of its images, its labels);
 the final weights to OUT/final.pth. KILL 'E,B': the process kills itself (SIGKILL) after training batch B of epoch E.
 CONTROL=restart in the environment: the loader is not resumed (it restarts its epoch): the control that must differ.
-DEVICE=cuda in the environment: the loaders (and the fit) on the GPU. FIT=fine_tune: `learn.fine_tune(2, freeze_epochs=1)` (two fits) instead of `fit_one_cycle(3)`.
+DEVICE=cuda in the environment: the loaders (and the fit) on the GPU. FIT=fine_tune: `learn.fine_tune(2, freeze_epochs=1)` (two fits) instead of `fit_one_cycle(3)`;
+FIT=own_cbs: two fits (1 epoch, then 2), each given a new `ResumeCallback` (`fit(cbs=...)`), none on the `Learner`.
 Under torchrun (WORLD_SIZE > 1) the fit runs in `learn.distrib_ctx()`, and each rank writes OUT/batches.rank<r>.jsonl."""
 import hashlib, json, os, signal, sys, warnings
 from pathlib import Path
@@ -42,13 +43,16 @@ def main(root, out, source, kill=None):
                         get_y=parent_label, splitter=GrandparentSplitter(), item_tfms=kw.pop('item_tfms'), batch_tfms=kw.pop('batch_tfms'))
         dls = DaliDataLoaders.from_dblock(blk, root, py_workers=0, **kw)
     else: dls = DaliDataLoaders.from_shards(str(root/'shards'/'train'/'*.tar'), valid=str(root/'shards'/'valid'/'*.tar'), **kw)
-    cbs = [ResumeCallback(every=3), Record(out/(f'batches.rank{rank}.jsonl' if world > 1 else 'batches.jsonl'))]
+    own = os.environ.get('FIT') == 'own_cbs'
+    cbs = [] if own else [ResumeCallback(every=3)]
+    cbs += [Record(out/(f'batches.rank{rank}.jsonl' if world > 1 else 'batches.jsonl'))]
     if kill: cbs.append(Kill(tuple(int(v) for v in kill.split(','))))
     learn = vision_learner(dls, resnet18, pretrained=False, cbs=cbs, path=out)
     with learn.no_bar():
         if world > 1:
             with learn.distrib_ctx(sync_bn=False): learn.fit_one_cycle(3, 1e-3)   # (SyncBatchNorm needs a GPU)
         elif os.environ.get('FIT') == 'fine_tune': learn.fine_tune(2, 1e-3, freeze_epochs=1)
+        elif own: learn.fit_one_cycle(1, 1e-3, cbs=ResumeCallback(every=3)); learn.fit_one_cycle(2, 1e-3, cbs=ResumeCallback(every=3))
         else: learn.fit_one_cycle(3, 1e-3)
     if rank == 0: torch.save(learn.model.state_dict(), out/'final.pth')
 

@@ -38,13 +38,14 @@ def test_killed_and_resumed_as_uninterrupted(root, tmp_path, source):
     assert b == a[len(a)-len(b):]                        # the same items, the same draws, from there on
     assert same_weights(weights(tmp_path/'run'), weights(tmp_path/'ref'))
 
-def test_fine_tune_resumed_in_its_second_fit(root, tmp_path):
-    "`fine_tune` is two fits: killed in the second, the script run again skips the first (its weights loaded) and goes on in the second"
-    ref = run(root, tmp_path/'ref', 'folder', FIT='fine_tune'); assert ref.returncode == 0, ref.stderr[-3000:]
+@pytest.mark.parametrize('fit', ['fine_tune', 'own_cbs'])
+def test_second_fit_resumed(root, tmp_path, fit):
+    "Two fits (`fine_tune`; or two `fit_one_cycle`s, each given a new `ResumeCallback`): killed in the second, the script run again skips the first (its weights loaded) and goes on in the second"
+    ref = run(root, tmp_path/'ref', 'folder', FIT=fit); assert ref.returncode == 0, ref.stderr[-3000:]
     a = records(tmp_path/'ref')
-    killed = run(root, tmp_path/'run', 'folder', kill='1,3', FIT='fine_tune'); assert killed.returncode == -9, killed.stderr[-3000:]
+    killed = run(root, tmp_path/'run', 'folder', kill='1,3', FIT=fit); assert killed.returncode == -9, killed.stderr[-3000:]
     n_before = len(records(tmp_path/'run'))
-    again = run(root, tmp_path/'run', 'folder', FIT='fine_tune'); assert again.returncode == 0, again.stderr[-3000:]
+    again = run(root, tmp_path/'run', 'folder', FIT=fit); assert again.returncode == 0, again.stderr[-3000:]
     b = records(tmp_path/'run')[n_before:]
     assert b[0][:2] == [1, 3] and len(a) == n_before - 1 + len(b) and b == a[len(a)-len(b):]
     assert same_weights(weights(tmp_path/'run'), weights(tmp_path/'ref'))
