@@ -310,12 +310,16 @@ def _copy_path(tar, etag, cache_dir=None):
 @contextlib.contextmanager
 def _shard_lock(tar, cache_dir):
     "Held while a shard in object storage is indexed and copied into `cache_dir`: processes sharing the cache (ranks) read it once"
-    if not is_s3(str(tar)): yield; return
     import fcntl
-    p = _index_path(tar, cache_dir).with_suffix('.lock'); p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p, 'a') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)   # (released when `f` closes, or when its process dies)
-        yield
+    f = None
+    if is_s3(str(tar)):
+        p = _index_path(tar, cache_dir).with_suffix('.lock')
+        try: p.parent.mkdir(parents=True, exist_ok=True); f = open(p, 'a'); fcntl.flock(f, fcntl.LOCK_EX)   # (released when `f` closes, or its process dies)
+        except OSError:   # (a read-only cache, a disk without locks: each process reads the shard, as without the lock)
+            if f is not None: f.close(); f = None
+    try: yield
+    finally:
+        if f is not None: f.close()
 
 def _load_index(tar, cache_dir, keep=False, head=None):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"

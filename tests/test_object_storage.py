@@ -176,3 +176,12 @@ def test_nothing_left_behind_when_writing_fails(s3, tmp_path):
     s3_client().create_bucket(Bucket='failing')
     with pytest.raises(OSError): write_shards(src, 's3://failing/x', per_shard=12, progress=False, procs=1)
     assert set(Path(tempfile.gettempdir()).glob('fastai_dali_shard_*')) == before
+
+def test_cache_without_locks_still_reads(s3, tmp_path, monkeypatch):
+    "A cache on a disk that refuses locks (`flock`: ENOLCK, as NFS without its lock service): each shard read without the lock, the same batches"
+    import errno, fcntl
+    loc = DaliDataLoaders.from_shards(s3.local/'train', valid=s3.local/'valid', cache_dir=tmp_path/'local', py_workers=0, **KW)
+    def refuse(f, op): raise OSError(errno.ENOLCK, 'No locks available')
+    monkeypatch.setattr(fcntl, 'flock', refuse)
+    rem = DaliDataLoaders.from_shards('s3://shards/train/', valid='s3://shards/valid/', cache_dir=tmp_path/'s3', py_workers=0, **KW)
+    assert len(sorted((tmp_path/'s3'/'s3').glob('*.tar'))) == 5 and same(batches(rem.train), batches(loc.train))
