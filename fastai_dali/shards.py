@@ -311,15 +311,14 @@ def _copy_path(tar, etag, cache_dir=None):
 def _shard_lock(tar, cache_dir):
     "Held while a shard in object storage is indexed and copied into `cache_dir`: processes sharing the cache (ranks) read it once"
     import fcntl
-    f = None
-    if is_s3(str(tar)):
-        p = _index_path(tar, cache_dir).with_suffix('.lock')
-        try: p.parent.mkdir(parents=True, exist_ok=True); f = open(p, 'a'); fcntl.flock(f, fcntl.LOCK_EX)   # (released when `f` closes, or its process dies)
-        except OSError:   # (a read-only cache, a disk without locks: each process reads the shard, as without the lock)
-            if f is not None: f.close(); f = None
-    try: yield
-    finally:
-        if f is not None: f.close()
+    with contextlib.ExitStack() as held:
+        if is_s3(str(tar)):
+            p = _index_path(tar, cache_dir).with_suffix('.lock')
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                fcntl.flock(held.enter_context(open(p, 'a')), fcntl.LOCK_EX)   # (released when the file closes, or its process dies)
+            except OSError: held.close()   # (a read-only cache, a disk without locks: each process reads the shard, as without the lock)
+        yield
 
 def _load_index(tar, cache_dir, keep=False, head=None):
     "`tar`'s index, from the first place holding a current one, else built and written to the first writable place; and whether an older one was found"
