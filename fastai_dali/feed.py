@@ -141,6 +141,7 @@ class BuiltPipeline:
     def __init__(self, pipeline, it, plan, log, spec:BuildSpec, files, names, source=None, gather_n=None):
         # the spec (holding the dataset and the transforms) stays alive with it, so the ids in it stay theirs
         store_attr(); self.epoch,self.in_epoch,self._live,self.resumed_at = 0,False,None,0
+        self.fingerprint = None  # what a checkpoint of a loader on it resumes only on (`loader_fingerprint`, computed once)
     def start_epoch(self):
         "Mark an epoch begun; keep the returned token alive while it is iterated"
         token = _Live(); self._live,self.in_epoch = weakref.ref(token),True

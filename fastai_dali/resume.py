@@ -41,7 +41,10 @@ def loader_fingerprint(dl:DaliDL):
 def checkpoint(self:DaliDL):
     "A `LoaderCheckpoint` of where this loader stands (built with `checkpointing=True`); None before its first batch"
     cp = self.feed.checkpoint()
-    return None if cp is None else LoaderCheckpoint(loader_fingerprint(self), self.seed, cp)
+    if cp is None: return None
+    b = self.feed.built   # its fingerprint once per pipeline: equal specs, equal fingerprints (the reprs cost ~1 ms; a tensor's syncs a GPU)
+    if b.fingerprint is None: b.fingerprint = loader_fingerprint(self)
+    return LoaderCheckpoint(b.fingerprint, self.seed, cp)
 
 @patch
 def resume(self:DaliDL, cp:LoaderCheckpoint):
