@@ -61,7 +61,7 @@ def resume(self:DaliDL, cp:LoaderCheckpoint):
 import io, os, time, random, weakref
 from functools import partial
 from fastcore.basics import noop
-from fastai.torch_core import num_distrib, rank_distrib
+from fastai.torch_core import num_distrib, rank_distrib, one_param
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback, CancelEpochException, CancelFitException
@@ -163,7 +163,8 @@ def _resumed_batches(cb:ResumeCallback):
     rec.lrs,rec.iters,rec.losses,rec.values = [list(s['recorder'][k]) for k in ('lrs', 'iters', 'losses', 'values')]
     sl = rec.smooth_loss
     sl.count,sl.val = s['recorder']['smooth']
-    if hasattr(sl, 'dval'): sl.dval = sl.val.clone() if sl.count else None   # (`DeviceSmoothLoss`' running value)
+    if hasattr(sl, 'dval'):   # (`DeviceSmoothLoss`' running value, on the device its losses come from: the checkpoint's is on the CPU)
+        sl.dval = sl.val.to(one_param(learn.model).device, copy=True) if sl.count else None
     learn.train_iter,learn.pct_train = s['train_iter'],s['pct_train']
     if s['loader'] is not None: learn.dl.resume(s['loader'])
     _set_rng_states(s['rng'])
