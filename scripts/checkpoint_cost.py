@@ -1,23 +1,16 @@
 """What `dl.checkpoint()` costs a call and where it goes, on DALI's CPU backend, in one process: the loader's fingerprint
 computed at every call (as before 2026-12-07) against once per built pipeline (now), DALI's own `checkpoints()`, the
 transforms' reprs.
-    python scripts/checkpoint_cost.py OUT_DIR [N_PER_CLASS]     (4 classes of N_PER_CLASS hard links to 60 small JPEGs; 5,000)"""
+    python scripts/checkpoint_cost.py OUT_DIR [N]     (N training JPEGs of 64 x 48 px in 100 classes, `make_scale_folder`; 20,000)"""
 import os, sys, time, statistics, platform
-from pathlib import Path
 import fastai, nvidia.dali, torch
 from fastai.vision.all import Resize, Normalize, imagenet_stats
 from fastai_dali.all import DaliDataLoaders
 from fastai_dali.resume import loader_fingerprint, LoaderCheckpoint
-from fastai_dali.samples import make_image_folder
+from fastai_dali.bench.scale import make_scale_folder
 
-out,n = Path(sys.argv[1]),int(sys.argv[2]) if len(sys.argv) > 2 else 5000
-src = make_image_folder(out/'photos', n_train=60, n_valid=10, min_size=40, max_size=70, seed=1)
-root = out/f'links_{n}'
-if not root.exists():
-    for split in ('train', 'valid'):
-        for c in sorted((src/split).iterdir()):
-            files = sorted(c.iterdir()); d = root/split/c.name; d.mkdir(parents=True, exist_ok=True)
-            for i in range(n if split == 'train' else max(1, n//50)): os.link(files[i % len(files)], d/f'{i:07d}{files[i % len(files)].suffix}')
+n = int(sys.argv[2]) if len(sys.argv) > 2 else 20_000
+root = make_scale_folder(os.path.join(sys.argv[1], f'scale_{n}'), n=n, classes=100)
 
 dls = DaliDataLoaders.from_folder(root, train='train', valid='valid', item_tfms=Resize(32), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                   bs=256, device='cpu', checkpointing=True)
