@@ -3,7 +3,8 @@ alone is installed (an app on a CPU server, a laptop, a hosted notebook) and pre
 
 The app is a subprocess in which importing `fastai_dali` or `nvidia` (DALI is `nvidia.dali`) raises ModuleNotFoundError: a
 `sys.meta_path` finder ahead of every other (the editable install's included), in a process started in an empty folder (the
-repository's package is not on its path) with no PYTHONPATH. Three learners, the tasks fastai's lessons deploy: a classifier
+repository's package is not on its path) whose PYTHONPATH keeps only the folders that do not hold the repository's package (where
+fastai itself is installed into a folder on PYTHONPATH, as on the GPU machine). Three learners, the tasks fastai's lessons deploy: a classifier
 (`from_folder`, `vision_learner` resnet18), a multi-label one (`from_df` with `label_delim`, a small CNN) and a keypoint one
 (a `DataBlock` with `PointBlock`, the points from a DataFrame column, a small CNN with fastai's `MSELossFlat`). Each is made
 with fastai's own defaults, so it trains on the fast path (`ForeachTwin`, `DeviceLossCallback`). For each:
@@ -86,6 +87,8 @@ print(json.dumps(dict(res=res, imported=bad)))
 def run_app(jobs, cwd):
     "Run `APP` on `jobs` ({name: (exported file, files, rm_type_tfms)}) in a process with fastai alone, started in the empty folder `cwd`"
     env = {k: v for k,v in os.environ.items() if k != 'PYTHONPATH'}
+    keep = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p and not os.path.isdir(os.path.join(p, 'fastai_dali'))]
+    if keep: env['PYTHONPATH'] = os.pathsep.join(keep)
     r = subprocess.run([sys.executable, '-c', APP, json.dumps({k: (str(f), list(map(str, fs)), rm) for k,(f,fs,rm) in jobs.items()})],
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
