@@ -82,21 +82,27 @@ def epoch_timeline(dl, epochs=3, skip=3):
     return res
 
 # %% ../../nbs/07a_bench_core.ipynb #b7t0
-def train_timer(warmup=0, validate=True):
-    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs); `validate=False` skips validation"
+def train_timer(warmup=0, validate=True, split=6):
+    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs), `first` (the fit's first training phase split: seconds to its first batch, and each of its first `split` batches); `validate=False` skips validation"
     class TrainTimer(Callback):
         order = 100  # after the other callbacks' `after_batch`
-        def before_fit(self): self.runs,self.n_all,self.t_all = [],0,0.
+        def before_fit(self): self.runs,self.n_all,self.t_all,self.first,self.splitting = [],0,0.,None,False
         def _start(self): cuda_sync(); self.t0 = time.perf_counter()
+        def _lap(self): cuda_sync(); t = time.perf_counter(); d,self.mark = t-self.mark,t; return d
         def before_train(self):
             self.i,self.t0,self.n,self.secs = 0,None,0,None
             if warmup == 0: self._start()
+            if self.first is None: self.first,self.splitting,self.mark = dict(to_first_batch=None, batches=[]),True,time.perf_counter()
+        def before_batch(self):
+            if self.training and self.splitting and self.first['to_first_batch'] is None: self.first['to_first_batch'] = self._lap()
         def after_batch(self):
             if not self.training: return
+            if self.splitting and len(self.first['batches']) < split: self.first['batches'].append(self._lap())
             self.i += 1
             if self.i == warmup: self._start()
             elif self.i > warmup: self.n += len(self.xb[0])
         def after_train(self):
+            self.splitting = False
             if self.t0 is None or self.i <= warmup: return
             cuda_sync(); self.secs = time.perf_counter()-self.t0
             self.runs.append(self.n/self.secs); self.n_all += self.n; self.t_all += self.secs

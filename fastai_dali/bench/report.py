@@ -201,6 +201,10 @@ def write_results(res, out, mem_epochs):
     print(f"wrote {out}/bench.json, bench.md{', bench.png' if thr else ''}")
 
 # %% ../../nbs/07h_bench_report.ipynb #e5a9c3d7
+def _first_split(f):
+    "A first epoch's start as a cell: the seconds to its first batch; each of its first batches' seconds"
+    return f"{f['to_first_batch']:.2f}; " + ' / '.join(f'{s:.2f}' for s in f['batches']) if f else ''
+
 def user_fit_markdown(res):
     "`res['user_fit']` as a markdown table per arch, each row's median against `res['user_fit_limit']` of the same run"
     md = []
@@ -209,8 +213,9 @@ def user_fit_markdown(res):
         head = f"### A user's script, {a}: training img/s" + (f" (the limit, {lim['row']}: {lim['median']:,.0f})" if lim else '')
         cells = [[k[len(ROW_USER)+2:] if k.startswith(ROW_USER) else k, ' / '.join(f'{v:,.0f}' for v in r['img_s']),
                   f"{r['median']:,.0f} ({r['n_median']})", f"{r['median']/lim['median']:.2f}" if lim else '',
-                  f"{r['seconds'][0] - statistics.median(r['seconds'][1:]):.1f}" if len(r['seconds']) > 1 else '']
+                  f"{r['seconds'][0] - statistics.median(r['seconds'][1:]):.1f}" if len(r['seconds']) > 1 else '', _first_split(r.get('first_epoch'))]
                  for k,r in rows.items()]
         md += [head, '', f'{ROW_USER}, with:', '', md_table(['row', 'img/s each epoch', 'median of the epochs after the first (how many)',
-                                                            '÷ the limit', 'epoch 1: s beyond a later one'], cells, right=(2, 3, 4)), '']
+                                                            '÷ the limit', 'epoch 1: s beyond a later one', 'epoch 1: s to its first batch; its first batches'],
+                                                           cells, right=(2, 3, 4)), '']
     return '\n'.join(md).rstrip()

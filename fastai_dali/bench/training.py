@@ -298,7 +298,7 @@ def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, c
 
 # %% ../../nbs/07d_bench_training.ipynb #c020v
 def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
-    "A user's script on `dls`, one `fit(epochs, lr)` of `vision_learner(dls, arch, pretrained=False, cbs=cbs)`: each epoch's training img/s and seconds, and the median of the epochs after the first"
+    "A user's script on `dls`, one `fit(epochs, lr)` of `vision_learner(dls, arch, pretrained=False, cbs=cbs)`: each epoch's training img/s and seconds, the median of the epochs after the first, and the first epoch's start split (`train_timer`)"
     # (`to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`))
     from fastai.vision.learner import vision_learner
     learn = vision_learner(dls, arch, pretrained=False, cbs=list(cbs))
@@ -308,7 +308,7 @@ def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
     with (contextlib.nullcontext() if bar else learn.no_bar()): learn.fit(epochs, lr, cbs=[t])
     n = len(dls.train)*dls.train.bs if dls.train.drop_last else len(dls.train.dataset)   # (each epoch's training images)
     after = t.runs[1:] or t.runs
-    return dict(img_s=t.runs, seconds=[n/r for r in t.runs], median=float(statistics.median(after)), n_median=len(after))
+    return dict(img_s=t.runs, seconds=[n/r for r in t.runs], median=float(statistics.median(after)), n_median=len(after), first_epoch=t.first)
 
 ROW_USER = "a user's script (vision_learner, to_bf16, the bar, validation, one fit)"
 
