@@ -83,7 +83,8 @@ def epoch_timeline(dl, epochs=3, skip=3):
 
 # %% ../../nbs/07a_bench_core.ipynb #b7t0
 def train_timer(warmup=0, validate=True, split=6):
-    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `n` and `secs` (the last epoch's), `img_s` (all epochs), `first` (the fit's first training phase split: seconds to its first batch, and each of its first `split` batches); `validate=False` skips validation"
+    "A fastai callback timing each epoch's training batches after its first `warmup`: `runs` (img/s per epoch), `img_s` (all epochs), `first` (the fit's start split)"
+    # (`n` and `secs`: the last epoch's; `first`: seconds to the first training batch, and each of the first `split` batches; `validate=False` skips validation)
     class TrainTimer(Callback):
         order = 100  # after the other callbacks' `after_batch`
         def before_fit(self): self.runs,self.n_all,self.t_all,self.first,self.splitting = [],0,0.,None,False

@@ -298,7 +298,7 @@ def fit_trace(dls, arch, n_out, start=10, n=20, cbs=(), fname=None, bf16=True, c
 
 # %% ../../nbs/07d_bench_training.ipynb #c020v
 def user_fit(dls, arch, epochs=4, cbs=(), bar=True, validate=True, lr=1e-3):
-    "A user's script on `dls`, one `fit(epochs, lr)` of `vision_learner(dls, arch, pretrained=False, cbs=cbs)`: each epoch's training img/s and seconds, the median of the epochs after the first, and the first epoch's start split (`train_timer`)"
+    "A user's script on `dls`, one `fit(epochs, lr)` of `vision_learner(dls, arch, pretrained=False, cbs=cbs)`: each epoch's training img/s and seconds, the median of the later ones, the start split"
     # (`to_bf16()` and the model channels_last on a GPU, fastai's bar on (`bar`), validation between epochs (`validate`))
     from fastai.vision.learner import vision_learner
     learn = vision_learner(dls, arch, pretrained=False, cbs=list(cbs))
