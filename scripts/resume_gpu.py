@@ -1,24 +1,27 @@
 """On the GPU: tests/resume_script.py with DEVICE=cuda, uninterrupted (twice) against killed at (1,3) and run again:
 the batches after the checkpoint and the final weights (within the two uninterrupted runs' spread).
-    python3 scripts/resume_gpu.py OUT folder[,mixed,shards]     (data and runs under /tmp/resume_data, /tmp/resume_cuda)"""
-import json, os, subprocess, sys, time
+    python3 scripts/resume_gpu.py OUT folder[,mixed,shards] [WORK]
+WORK (default: the temporary folder's `fastai_dali_resume_gpu`) holds the data and the runs; OUT gets resume_cuda.json."""
+import json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 import torch
-sys.path.insert(0, os.getcwd())
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from fastai_dali.samples import make_image_folder
 from fastai_dali.shards import write_shards
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-root = make_image_folder(Path('/tmp/resume_data'), n_train=10, n_valid=3, min_size=40, max_size=70, seed=2)
+work = Path(sys.argv[3] if len(sys.argv) > 3 else Path(tempfile.gettempdir())/'fastai_dali_resume_gpu')
+root = make_image_folder(work/'data', n_train=10, n_valid=3, min_size=40, max_size=70, seed=2)
 if not (root/'shards').exists(): write_shards(root, root/'shards', per_shard=12, progress=False)
 def run(o, source, kill=None, **env):
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, 'tests/resume_script.py', str(root), str(o), source] + ([kill] if kill else []), capture_output=True, text=True, timeout=300,
-                       env={**os.environ, 'DEVICE': os.environ.get('DEVICE', 'cuda'), **env})
+    r = subprocess.run([sys.executable, str(REPO/'tests'/'resume_script.py'), str(root), str(o), source] + ([kill] if kill else []), capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'DEVICE': os.environ.get('DEVICE', 'cuda'), 'PYTHONPATH': os.pathsep.join(filter(None, [str(REPO), os.environ.get('PYTHONPATH')])), **env})
     return r.returncode, time.perf_counter()-t, r.stderr[-1500:]
 recs = lambda o: [json.loads(l) for l in (o/'batches.jsonl').read_text().splitlines()]
 res = {}
 for source in sys.argv[2].split(','):
-    base = Path(f'/tmp/resume_cuda/{source}'); subprocess.run(['rm', '-rf', str(base)])
+    base = work/'runs'/source; shutil.rmtree(base, ignore_errors=True)
     ref = run(base/'ref', source); ref2 = run(base/'ref2', source)
     killed = run(base/'run', source, kill='1,3'); n_before = len(recs(base/'run'))
     again = run(base/'run', source)
