@@ -54,7 +54,8 @@ def one_row(row, root, arch, epochs, trace):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         from fastai.vision.all import (vision_learner, Learner, create_vision_model, CrossEntropyLossFlat, Resize, Normalize,
-                                       imagenet_stats, Callback, CancelValidException, RandomResizedCrop, aug_transforms)
+                                       imagenet_stats, Callback, RandomResizedCrop, aug_transforms)
+        from fastai_dali.bench.core import train_timer
         import torchvision.models as tvm
         from fastai_dali.all import DaliDataLoaders, StepGraphCallback, set_work_queues
         if row != 'queues8': set_work_queues()
@@ -66,24 +67,6 @@ def one_row(row, root, arch, epochs, trace):
         dls.one_batch()
     queues_warning = [str(w.message)[:120] for w in caught if 'work queues' in str(w.message)]
 
-    class Timer(Callback):
-        order = 100
-        def before_fit(self): self.ips,self.secs = getattr(self, 'ips', []),getattr(self, 'secs', [])
-        def before_train(self): sync(); self.t0,self.n = time.perf_counter(),0
-        def after_batch(self):
-            if self.training: self.n += len(self.xb[0])
-        def after_train(self):
-            sync(); s = time.perf_counter()-self.t0
-            self.ips.append(self.n/s); self.secs.append(s)
-    class FirstBatches(Callback):
-        "The first epoch's first training batches: seconds from the phase's start to the end of each (where a warm first epoch's cost lies)"
-        order = 100
-        def before_train(self):
-            if self.epoch == 0: sync(); self.t0,self.ends = time.perf_counter(),[]
-        def after_batch(self):
-            if self.training and self.epoch == 0 and self.iter < 8: sync(); self.ends.append(round(time.perf_counter()-self.t0, 3))
-    class NoValid(Callback):
-        def before_validate(self): raise CancelValidException()
     class Trace(Callback):
         "torch.profiler (with Python's stacks) over batches 60-79 of the first epoch, long after the capture (the timed epochs are the later ones)"
         order = 101
@@ -106,20 +89,22 @@ def one_row(row, root, arch, epochs, trace):
     else:
         learn.to_bf16()
         learn.model.to(memory_format=torch.channels_last)
-    timer,first = Timer(),FirstBatches(); cbs = [timer, first] + ([NoValid()] if row in ('no_valid', 'bench') else []) + ([Trace()] if trace else [])
+    # each epoch's training phase timed (synchronized), the fit's start split: to its first batch, each of its first 8
+    timer = train_timer(validate=row not in ('no_valid', 'bench'), split=8); cbs = [timer] + ([Trace()] if trace else [])
     bar = row not in ('no_bar', 'bench', 'defaults_no_bar')
     t0 = time.perf_counter()
     if row == 'bench':
+        ips,first = [],None
         for e in range(epochs):
             with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=cbs)
-        ips = timer.ips
+            ips,first = ips + timer.runs,first or timer.first
     else:
         with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
-        ips = timer.ips
-    return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=timer.secs, median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
+        ips,first = timer.runs,timer.first
+    return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=[timer.n/r for r in ips], median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
                 fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                 CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), queues_warning=queues_warning,
-                first_batches_s=first.ends, compile=_compile_stats())
+                first_epoch=first, compile=_compile_stats())
 
 def _compile_stats():
     "torch.compile's own account of the process: seconds per phase, and its caches' hits and misses"

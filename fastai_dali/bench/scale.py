@@ -82,31 +82,34 @@ def _loaders(kind, root, device, workers, bs, dali_kw=None):
                          batch_tfms=kw['batch_tfms']).dali_dataloaders(root, bs=bs, device=device, **(dali_kw or {}))
     return DaliDataLoaders.from_folder(root, valid='valid', device=device, **kw, **(dali_kw or {}))
 
-def _rest_of_epochs(dl, it, t_first, epochs, window=100):
-    "The first epoch of `dl` finished from iterator `it` (its first batch taken at `t_first`), then `epochs`-1 whole ones: each one's seconds and img/s, and the first's img/s in windows of `window` batches"
-    # (the first epoch's figures counted after its first batch, whose wait is the open's)
+def _rest_of_epochs(dl, it, t_first, epochs, window=100, series=False):
+    "The first epoch of `dl` finished from iterator `it` (its first batch taken at `t_first`), then `epochs`-1 whole ones: each one's seconds and img/s, and its img/s in windows of `window` batches"
+    # (the first epoch's figures counted after its first batch, whose wait is the open's; `windows_ips`: the first epoch's
+    # windows, `epoch_windows_ips`: every epoch's; `series`: also each batch's wait in ms, every epoch (`batch_ms`), to tell
+    # a slow stretch of an epoch from batches slow one in k)
     import torch
     sync = torch.cuda.synchronize if torch.cuda.is_available() else noop
-    secs,ips,windows = [],[],[]
+    secs,ips,windows,waits = [],[],[],[]
     for e in range(epochs):
         t0,ts,n = time.perf_counter(),[],[0]  # (each batch's time and the items so far: ~100 ns a batch)
         for b in (it if e == 0 else dl): ts.append(time.perf_counter()); n.append(n[-1] + len(b[0]))
         sync(); end = time.perf_counter()
-        if e == 0:
-            ts,start = [t_first] + ts,t_first
-            windows = [(n[j+window]-n[j])/(ts[j+window]-ts[j]) for j in range(0, len(ts)-window, window)]
-            secs.append(end - t_first); ips.append(n[-1]/(end - t_first))
-        else: secs.append(end - t0); ips.append(n[-1]/(end - t0))
-    return dict(epoch_s=secs, epoch_ips=ips, windows_ips=windows)
+        start = t_first if e == 0 else t0
+        ts = [start] + ts
+        windows.append([(n[j+window]-n[j])/(ts[j+window]-ts[j]) for j in range(0, len(ts)-window, window)])
+        if series: waits.append([round((b-a)*1e3, 2) for a,b in zip(ts, ts[1:])])
+        secs.append(end - start); ips.append(n[-1]/(end - start))
+    return dict(epoch_s=secs, epoch_ips=ips, windows_ips=windows[0] if windows else [], epoch_windows_ips=windows,
+                **(dict(batch_ms=waits) if series else {}))
 
 def _peak_mb():
     "This process's peak RSS since it started its program (`VmHWM`): `ru_maxrss` would start from the RSS of the process that started it (a `vfork` then `exec` keeps the parent's high-water mark)"
     with open('/proc/self/status') as f: return next(int(l.split()[1]) for l in f if l.startswith('VmHWM:'))/1024
 
-def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None, epochs=0):
+def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=None, epochs=0, series=False):
     "Row `kind` (`SCALE_KINDS`) on the folder `root`: build its loaders, take the first training batch, then (`epochs`) run that many whole epochs; the figures as a dict"
     # (the row 'get_image_files': fastai's `get_image_files` alone; `trace`: a folder for its profile and RSS trace of the
-    # open; `dali_kw`: more settings of the DALI rows)
+    # open; `dali_kw`: more settings of the DALI rows; `series`: each batch's wait through the epochs, see `_rest_of_epochs`)
     import resource, cProfile, pstats
     if kind not in SCALE_KINDS: raise ValueError(f"unknown row {kind!r}: one of {', '.join(SCALE_KINDS)}")
     if trace: rss,prof = _RssByLine(),cProfile.Profile(); prof.enable()
@@ -129,7 +132,7 @@ def scale_one(kind, root, device='cpu', workers=0, bs=256, trace=None, dali_kw=N
                children_mb=mb(resource.RUSAGE_CHILDREN), items=n, vocab=vocab)
     if epochs and kind != 'get_image_files':
         del first   # (held as a user's loop holds one batch at a time)
-        res.update(_rest_of_epochs(dls.train, it, t2, epochs))
+        res.update(_rest_of_epochs(dls.train, it, t2, epochs, series=series))
         res.update(through_epoch1=t1-t0+res['first_batch']+res['epoch_s'][0], epochs_peak_mb=mb(resource.RUSAGE_SELF),
                    epochs_children_mb=mb(resource.RUSAGE_CHILDREN))
     return res
@@ -143,7 +146,7 @@ def scale_process(kind, root, **kw):
 
 # %% ../../nbs/07g_bench_scale.ipynb #e883f90f
 def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, repeats=1, shards=None, trace=None, dali_kw=None, log=print,
-               epochs=0):
+               epochs=0, series=False):
     "Each row of `kinds` on the folder `root`, in a new process each, `repeats` times: a list of `scale_one`'s dicts"
     # (`shards`: samples a shard of the from_shards rows' tars; `dali_kw`: more settings of the DALI rows, as JSON;
     # `epochs`: whole epochs after the first batch, one for `ImageDataLoaders`, whose first one is what the others' open and
@@ -164,7 +167,7 @@ def scale_rows(root, kinds=SCALE_KINDS[:4], device='cpu', workers=0, bs=256, rep
             if kind == 'DaliDataLoaders':   # (cold: no index of an earlier walk; the row after it, 'again', reads the one it keeps)
                 index_file(root, ['train', 'valid']).unlink(missing_ok=True)
             ep = min(epochs, 1) if kind == 'ImageDataLoaders' else epochs
-            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw, epochs=ep))
+            args = json.dumps(dict(device=device, workers=workers, bs=bs, trace=trace and str(trace), dali_kw=dali_kw, epochs=ep, series=series))
             code = f"import json; from fastai_dali.bench.scale import scale_process; scale_process({kind!r}, {str(root)!r}, **json.loads({args!r}))"
             out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines()[::-1] if l.startswith('{')), None)
