@@ -1,0 +1,71 @@
+#!/bin/bash
+# The GPU runs behind docs/results' training, scale and before/after figures, each sized for one call of the GPU machine
+# (10 minutes), once DALI, fastai and webdataset are installed into /tmp/site (../shared/gpu/README.md stages them; the
+# package itself is imported from this source tree). Every result goes to $OUT as it is produced.
+#
+#   OUT=DIR bash scripts/gpu_results.sh user-fit ARCH      `fastai-dali bench --sections user-fit` (the user's script, its
+#                                                          augmented and defaults rows, the limit) on scripts/user_fit.py's
+#                                                          folder: 20,000 JPEGs of 300-500 x 240-400 px, 500 for validation
+#   OUT=DIR bash scripts/gpu_results.sh user-fit-rows      scripts/user_fit.py's rows user, user_warm (torch's compile caches
+#                                                          warm, a new process), defaults, defaults_no_bar: a process each
+#   OUT=DIR bash scripts/gpu_results.sh before-after DIR   the bench's throughput section twice and its training section
+#                                                          (resnet18) once for the package in DIR (an earlier tree:
+#                                                          `git archive COMMIT fastai_dali | tar -x -C DIR`) and this tree,
+#                                                          alternating, on the same generated JPEGs
+#   OUT=DIR bash scripts/gpu_results.sh shards-epochs      from_shards at 1,280,000 + 49,000 JPEGs (64 x 48, 266 tars):
+#                                                          two whole epochs with each batch's wait, DALI's Python workers
+#                                                          8 (the default) and 16
+#   OUT=DIR bash scripts/gpu_results.sh suite              the GPU test suite (scripts/gpu_suite.sh, 6 processes)
+set -u
+test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../shared/gpu/README.md)"; exit 3; }
+: "${OUT:?OUT=DIR: where the results go}"
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
+TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 SCALE_N=3000: a dry run on a CPU machine)
+bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
+env_txt() { { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
+  python3 -c "import nvidia.dali, fastai, torch, sys; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__, 'python', sys.version.split()[0])"
+  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1; }
+env_txt
+case ${1:-} in
+  user-fit)
+    arch=${2:?user-fit ARCH}
+    python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"
+    bench "$TMP/uf" --device $DEVICE --sections user-fit --workers 16 --archs "$arch" --epochs 4 --repeats 1 --out "$OUT/user_fit_$arch" \
+      2>&1 | tee "$OUT/user_fit_$arch.txt" | grep -v '^\s*$' | tail -40 ;;
+  user-fit-rows)
+    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600 ;;
+  before-after)
+    before=$(cd "${2:?before-after DIR}" && pwd)
+    python3 -c "from pathlib import Path; from fastai_dali.bench.core import make_bench_dataset; make_bench_dataset(Path('$TMP/bench_data_$N'), $N)"
+    for r in 1 2; do
+      for side in before after; do
+        dir=$PWD; [[ $side == before ]] && dir=$before
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$N" --device $DEVICE --sections throughput --workers 16 --repeats 1 \
+          --out "$OUT/${side}_throughput_$r") > "$OUT/${side}_throughput_$r.txt" 2>&1
+        echo "$side $r: rc $?"; grep -iE 'img/s|DaliDataLoaders|hand-written' "$OUT/${side}_throughput_$r.txt" | head -8
+      done
+    done
+    for side in before after; do
+      dir=$PWD; [[ $side == before ]] && dir=$before
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$N" --device $DEVICE --sections training --workers 16 --archs resnet18 \
+        --epochs 3 --repeats 1 --out "$OUT/${side}_training") > "$OUT/${side}_training.txt" 2>&1
+      echo "$side training: rc $?"; grep -E '^\|' "$OUT/${side}_training.txt" | head -12
+    done ;;
+  shards-epochs)
+    n=${SCALE_N:-1280000}
+    python3 - "$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n" <<'EOF'
+import json, sys, time
+from fastai_dali.bench.scale import make_scale_folder, scale_rows
+root, out, device, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+t = time.perf_counter(); make_scale_folder(root, n, min(1000, n//50)); print(f'folder: {time.perf_counter()-t:.1f} s', flush=True)
+for w in (8, 16):
+    rows = scale_rows(root, ('from_shards (indexed)',), device=device, workers=16, bs=256, shards=min(5000, n//10), epochs=2, series=True,
+                      dali_kw=dict(py_workers=w), log=lambda s: print(s[:400], flush=True))
+    with open(f'{out}/shards_epochs_py_workers_{w}.json', 'w') as f: json.dump(rows, f)
+EOF
+    ;;
+  suite)
+    SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
+esac
