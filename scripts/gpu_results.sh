@@ -43,7 +43,7 @@ case ${1:-} in
         dir=$PWD; [[ $side == before ]] && dir=$before
         (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$N" --device $DEVICE --sections throughput --workers 16 --repeats 1 \
           --out "$OUT/${side}_throughput_$r") > "$OUT/${side}_throughput_$r.txt" 2>&1
-        echo "$side $r: rc $?"; grep -iE 'img/s|DaliDataLoaders|hand-written' "$OUT/${side}_throughput_$r.txt" | head -8
+        echo "$side $r: rc $?"; grep -E '^\| (raw|DaliDataLoaders|ImageDataLoaders)' "$OUT/${side}_throughput_$r.txt" | head -8
       done
     done
     for side in before after; do
@@ -54,16 +54,19 @@ case ${1:-} in
     done ;;
   shards-epochs)
     n=${SCALE_N:-1280000}
-    python3 - "$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n" <<'EOF'
+    # (a script file, its work under `if __name__ == '__main__':`: `write_shards`' worker processes start by importing it)
+    cat > "$TMP/shards_epochs_run.py" <<'EOF'
 import json, sys, time
 from fastai_dali.bench.scale import make_scale_folder, scale_rows
-root, out, device, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-t = time.perf_counter(); make_scale_folder(root, n, min(1000, n//50)); print(f'folder: {time.perf_counter()-t:.1f} s', flush=True)
-for w in (8, 16):
-    rows = scale_rows(root, ('from_shards (indexed)',), device=device, workers=16, bs=256, shards=min(5000, n//10), epochs=2, series=True,
-                      dali_kw=dict(py_workers=w), log=lambda s: print(s[:400], flush=True))
-    with open(f'{out}/shards_epochs_py_workers_{w}.json', 'w') as f: json.dump(rows, f)
+if __name__ == '__main__':
+    root, out, device, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    t = time.perf_counter(); make_scale_folder(root, n, min(1000, n//50)); print(f'folder: {time.perf_counter()-t:.1f} s', flush=True)
+    for w in (8, 16):
+        rows = scale_rows(root, ('from_shards (indexed)',), device=device, workers=16, bs=256, shards=min(5000, n//10), epochs=2,
+                          series=True, dali_kw=dict(py_workers=w), log=lambda s: print(s[:400], flush=True))
+        with open(f'{out}/shards_epochs_py_workers_{w}.json', 'w') as f: json.dump(rows, f)
 EOF
+    python3 "$TMP/shards_epochs_run.py" "$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n"
     ;;
   suite)
     SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
