@@ -15,6 +15,8 @@
 #   OUT=DIR bash scripts/gpu_results.sh shards-epochs      from_shards at 1,280,000 + 49,000 JPEGs (64 x 48, 266 tars):
 #                                                          two whole epochs with each batch's wait, DALI's Python workers
 #                                                          8 (the default) and 16
+#   OUT=DIR bash scripts/gpu_results.sh shards-trace       the same (DALI's default workers) in one process under py-spy:
+#                                                          where the main thread spends its time
 #   OUT=DIR bash scripts/gpu_results.sh suite              the GPU test suite (scripts/gpu_suite.sh, 6 processes)
 set -u
 test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../shared/gpu/README.md)"; exit 3; }
@@ -52,23 +54,40 @@ case ${1:-} in
         --epochs 3 --repeats 1 --out "$OUT/${side}_training") > "$OUT/${side}_training.txt" 2>&1
       echo "$side training: rc $?"; grep -E '^\|' "$OUT/${side}_training.txt" | head -12
     done ;;
-  shards-epochs)
+  shards-epochs|shards-trace)
     n=${SCALE_N:-1280000}
     # (a script file, its work under `if __name__ == '__main__':`: `write_shards`' worker processes start by importing it)
     cat > "$TMP/shards_epochs_run.py" <<'EOF'
 import json, sys, time
-from fastai_dali.bench.scale import make_scale_folder, scale_rows
+from fastai_dali.bench.scale import make_scale_folder, scale_rows, scale_one
 if __name__ == '__main__':
-    root, out, device, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    mode, root, out, device, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     t = time.perf_counter(); make_scale_folder(root, n, min(1000, n//50)); print(f'folder: {time.perf_counter()-t:.1f} s', flush=True)
-    for w in (8, 16):
-        rows = scale_rows(root, ('from_shards (indexed)',), device=device, workers=16, bs=256, shards=min(5000, n//10), epochs=2,
-                          series=True, dali_kw=dict(py_workers=w), log=lambda s: print(s[:400], flush=True))
-        with open(f'{out}/shards_epochs_py_workers_{w}.json', 'w') as f: json.dump(rows, f)
+    kw = dict(device=device, workers=16, bs=256, epochs=2, series=True)
+    log = lambda s: print(s[:400], flush=True)
+    if mode == 'rows':   # a process per row, DALI's Python workers 8 (the default) and 16
+        for w in (8, 16):
+            rows = scale_rows(root, ('from_shards (indexed)',), shards=min(5000, n//10), dali_kw=dict(py_workers=w), log=log, **kw)
+            with open(f'{out}/shards_epochs_py_workers_{w}.json', 'w') as f: json.dump(rows, f)
+    else:                # the row in this process (the shards and their indexes written by a `rows` run or here), for py-spy
+        scale_rows(root, ('from_shards (indexed)',), shards=min(5000, n//10), log=log, **{**kw, 'epochs': 0})
+        o = scale_one('from_shards (indexed)', root, **kw); log(json.dumps(o))
+        with open(f'{out}/shards_trace_row.json', 'w') as f: json.dump(o, f)
 EOF
-    python3 "$TMP/shards_epochs_run.py" "$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n"
-    ;;
+    args=("$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n")
+    if [[ $1 == shards-epochs ]]; then python3 "$TMP/shards_epochs_run.py" rows "${args[@]}"
+    else
+      # py-spy: on the PATH, or its wheel carried in .gpu/pyspy (`pip download py-spy`); every thread, idle samples kept
+      # (the main thread waiting on DALI shows as such), DALI's worker processes too
+      command -v py-spy >/dev/null || { python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/pyspy/*.whl && export PATH=/tmp/site/bin:$PATH; }
+      py-spy record --idle --threads --subprocesses --nonblocking --rate 200 --format raw -o "$TMP/shards_trace_spy.txt" -- \
+        python3 "$TMP/shards_epochs_run.py" trace "${args[@]}" 2>&1 | grep -v '^py-spy> You can'
+      python3 -c "import sys; sys.path.insert(0, 'scripts'); from py_spy_summary import main_thread_steps; main_thread_steps(sys.argv[1], '_rest_of_epochs')" \
+        "$TMP/shards_trace_spy.txt" | cut -c1-400 | tee "$OUT/shards_trace_summary.txt"
+      gzip -c "$TMP/shards_trace_spy.txt" > "$OUT/shards_trace_spy.txt.gz"   # (the raw record, where it is small enough to come back)
+      [[ $(stat -c %s "$OUT/shards_trace_spy.txt.gz") -gt 40000000 ]] && rm "$OUT/shards_trace_spy.txt.gz"
+    fi ;;
   suite)
     SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,23p' "$0"; exit 2 ;;
 esac
