@@ -18,6 +18,15 @@
 #   OUT=DIR bash scripts/gpu_results.sh shards-trace       the same (DALI's default workers) in one process under py-spy:
 #                                                          where the main thread spends its time
 #   OUT=DIR bash scripts/gpu_results.sh suite              the GPU test suite (scripts/gpu_suite.sh, 6 processes)
+#   OUT=DIR bash scripts/gpu_results.sh extras             installs the wheels carried in .gpu/extra into /tmp/site: py-spy
+#                                                          (shards-trace) and moto's S3 server with its own (the suite's
+#                                                          object-storage tests), fetched here for the GPU machine's Python:
+#     pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 "moto[server]" py-spy -d .gpu/extra
+#     (35 MB once the packages the GPU image already has, or that moto's server does not need, are left out: keep moto, boto3,
+#     botocore, s3transfer, jmespath, werkzeug, flask, flask_cors, xmltodict, responses, requests, urllib3, itsdangerous,
+#     blinker, click, python_dateutil, six, cryptography, cffi, pycparser, pyyaml, charset_normalizer, idna, certifi,
+#     py_partiql_parser, py_spy)
 set -u
 test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../shared/gpu/README.md)"; exit 3; }
 : "${OUT:?OUT=DIR: where the results go}"
@@ -77,9 +86,10 @@ EOF
     args=("$TMP/fastai_dali_scale_$n" "$OUT" "$DEVICE" "$n")
     if [[ $1 == shards-epochs ]]; then python3 "$TMP/shards_epochs_run.py" rows "${args[@]}"
     else
-      # py-spy: on the PATH, or its wheel carried in .gpu/pyspy (`pip download py-spy`); every thread, idle samples kept
-      # (the main thread waiting on DALI shows as such), DALI's worker processes too
-      command -v py-spy >/dev/null || { python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/pyspy/*.whl && export PATH=/tmp/site/bin:$PATH; }
+      # py-spy (on the PATH, or installed by `extras`): every thread, idle samples kept (the main thread waiting on DALI shows
+      # as such), DALI's worker processes too
+      export PATH=$PATH:/tmp/site/bin
+      command -v py-spy >/dev/null || { echo "py-spy is missing: run \`gpu_results.sh extras\` first"; exit 3; }
       py-spy record --idle --threads --subprocesses --nonblocking --rate 200 --format raw -o "$TMP/shards_trace_spy.txt" -- \
         python3 "$TMP/shards_epochs_run.py" trace "${args[@]}" 2>&1 | grep -v '^py-spy> You can'
       python3 -c "import sys; sys.path.insert(0, 'scripts'); from py_spy_summary import main_thread_steps; main_thread_steps(sys.argv[1], '_rest_of_epochs')" \
@@ -87,7 +97,9 @@ EOF
       gzip -c "$TMP/shards_trace_spy.txt" > "$OUT/shards_trace_spy.txt.gz"   # (the raw record, where it is small enough to come back)
       [[ $(stat -c %s "$OUT/shards_trace_spy.txt.gz") -gt 40000000 ]] && rm "$OUT/shards_trace_spy.txt.gz"
     fi ;;
+  extras)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl && ls /tmp/site/bin ;;
   suite)
     SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
-  *) sed -n '2,23p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac
