@@ -7,7 +7,8 @@
 #                                                          augmented and defaults rows, the limit) on scripts/user_fit.py's
 #                                                          folder: 20,000 JPEGs of 300-500 x 240-400 px, 500 for validation
 #   OUT=DIR bash scripts/gpu_results.sh user-fit-rows      scripts/user_fit.py's rows user, user_warm (torch's compile caches
-#                                                          warm, a new process), defaults, defaults_no_bar: a process each
+#                                                          warm, a new process), no_compile_opt, defaults, defaults_no_bar: a
+#                                                          process each; then scripts/warm_compile.py (compiles' parts)
 #   OUT=DIR bash scripts/gpu_results.sh before-after DIR   the bench's throughput section twice and its training section
 #                                                          (resnet18) once for the package in DIR (an earlier tree:
 #                                                          `git archive COMMIT fastai_dali | tar -x -C DIR`) and this tree,
@@ -45,7 +46,9 @@ case ${1:-} in
     bench "$TMP/uf" --device $DEVICE --sections user-fit --workers 16 --archs "$arch" --epochs 4 --repeats 1 --out "$OUT/user_fit_$arch" \
       2>&1 | tee "$OUT/user_fit_$arch.txt" | grep -v '^\s*$' | tail -40 ;;
   user-fit-rows)
-    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600 ;;
+    python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"
+    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,no_compile_opt,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
+    python3 scripts/warm_compile.py "$OUT" "$DEVICE" resnet18 2>&1 | tee "$OUT/warm_compile.txt" | cut -c1-400 ;;
   before-after)
     before=$(cd "${2:?before-after DIR}" && pwd)
     python3 -c "from pathlib import Path; from fastai_dali.bench.core import make_bench_dataset; make_bench_dataset(Path('$TMP/bench_data_$N'), $N)"

@@ -17,6 +17,9 @@ on the same folder (6 photo classes, 300-500 x 240-400 px JPEGs; bs 128, 224 px,
     queues8         the script without `set_work_queues()` (CUDA's 8 hardware work queues)
     cuda_first      the script with `torch.cuda.is_available()` before `set_work_queues()` (CUDA started first: the row
                     records the warning)
+    no_compile_opt  the script with `StepGraphCallback(compile_opt=False)`: fastai's optimizer step captured uncompiled (its
+                    compile, a graph per parameter group, is most of a warm process's first-epoch cost on a CPU:
+                    `scripts/warm_compile.py`); after `user`, the model's compile caches warm
 
 The script asks for 32 work queues (`set_work_queues()` after its imports, as the README says for `StepGraphCallback`).
 
@@ -33,7 +36,7 @@ ROOT is written once (20,000 JPEGs, 500 of them for validation) if it has no `do
 import contextlib, json, os, statistics, subprocess, sys, tempfile, time
 
 ROWS = ('user', 'user_warm', 'no_bar', 'no_valid', 'plain_learner', 'channelslast', 'bench', 'defaults', 'defaults_no_bar', 'aug',
-        'queues8', 'cuda_first')
+        'queues8', 'cuda_first', 'no_compile_opt')
 
 def make_data(root, n=20_000, n_valid=500):
     "The folder: `n` JPEGs of 300-500 x 240-400 px in 6 classes, `n_valid` of them for validation; reused when done"
@@ -80,8 +83,8 @@ def one_row(row, root, arch, epochs, trace):
                 sync(); self.prof.__exit__(None, None, None)
                 self.prof.export_chrome_trace(trace); self.done = True   # (a name ending .gz: written gzipped)
 
-    graphs = [] if row.startswith('defaults') else [StepGraphCallback()]
-    name,row = row,row.replace('_warm', '').replace('queues8', 'user').replace('cuda_first', 'user')
+    graphs = [] if row.startswith('defaults') else [StepGraphCallback(compile_opt=row != 'no_compile_opt')]
+    name,row = row,row.replace('_warm', '').replace('queues8', 'user').replace('cuda_first', 'user').replace('no_compile_opt', 'user')
     if row in ('plain_learner', 'bench'):
         learn = Learner(dls, create_vision_model(arch_fn, dls.c, pretrained=False), loss_func=CrossEntropyLossFlat(), cbs=graphs)
     else: learn = vision_learner(dls, arch_fn, pretrained=False, cbs=graphs)
@@ -111,7 +114,7 @@ def _compile_stats():
     try:
         from torch._dynamo.utils import compile_times, counters
         return dict(times=compile_times(repr='str', aggregate=True)[-1500:],
-                    caches={k: dict(v) for k,v in counters.items() if k in ('inductor', 'aot_autograd') and v} )
+                    caches={k: dict(v) for k,v in counters.items() if k in ('stats', 'inductor', 'aot_autograd') and v} )
     except Exception as e: return repr(e)
 
 def main(out, root, arch='resnet18', epochs=4, rows=ROWS, trace=False):
