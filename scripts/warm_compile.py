@@ -1,8 +1,9 @@
 """What `StepGraphCallback()`'s compiles cost a process whose torch compile caches are already warm (a second run of a
 script): the model's forward and backward (`torch.compile(model)`) and fastai's optimizer step (`bucket_step`, compiled
-once per bucket of the plan: one per parameter group of `vision_learner`'s splitter), each in a new process, first with
-empty caches (cold) then again (warm). Prints a JSON line a part and a run: seconds of the first call, the second, and
-torch's own counters (graphs, cache hits) and phase times.
+once per bucket of the plan: one per parameter group of `vision_learner`'s splitter; and, to compare, the same buckets
+through one compiled function, one graph), each in a new process, first with empty caches (cold) then again (warm).
+Prints a JSON line a part and a run: seconds of the first call, the second, and torch's own counters (graphs, cache
+hits) and phase times.
 
     python scripts/warm_compile.py OUT [DEVICE] [ARCH]     (DEVICE cpu or cuda, default cuda when there is one; ARCH resnet18)
 
@@ -10,8 +11,13 @@ The caches go to a folder of their own in the temporary folder, emptied first. W
 """
 import json, os, subprocess, sys, tempfile
 
+def all_buckets(steppers, decouple_wd, momentum, buckets, numbers):
+    "Every bucket of a plan through `bucket_step`, in one function: what one compile makes one graph of"
+    from fastai_dali.optimizer import bucket_step
+    for i,b in enumerate(buckets): bucket_step(steppers, decouple_wd, momentum, *b, numbers[i])
+
 def part(which, device, arch):
-    "In this process: `which` ('model' or 'optimizer') compiled and called twice on `device`; a dict of its figures"
+    "In this process: `which` ('model', 'optimizer' or 'optimizer, one graph') compiled and called twice on `device`; a dict of its figures"
     import time, torch
     from fastai.vision.all import create_vision_model, model_meta
     import torchvision.models as tvm
@@ -27,15 +33,23 @@ def part(which, device, arch):
     else:
         opt = ForeachAdam(model_meta[a]['split'](m), lr=1e-3)
         for p in m.parameters(): p.grad = torch.randn_like(p)
-        b = torch.compile(_own_copy(bucket_step))
-        def call(): opt.device_numbers(); opt.device_step(bucket=b)
+        if which == 'optimizer':
+            b = torch.compile(_own_copy(bucket_step))
+            def call(): opt.device_numbers(); opt.device_step(bucket=b)
+        else:
+            f = torch.compile(all_buckets)
+            @torch.no_grad()
+            def call():
+                opt.device_numbers()
+                f(opt.steppers, opt.decouple_wd, opt.momentum, [(ps, [p.grad for p in ps], opt._state_list(ps, st, 'grad_avg'),
+                  opt._state_list(ps, st, 'sqr_avg'), [opt._buf(p) for p in ps], wd) for _,ps,st,wd in opt._plan()], opt.numbers)
     ts = []
     for _ in range(2): sync(); t = time.perf_counter(); call(); sync(); ts.append(round(time.perf_counter()-t, 3))
     from torch._dynamo.utils import compile_times, counters
     res = dict(part=which, first_s=ts[0], second_s=ts[1],
                counters={k: dict(v) for k,v in counters.items() if k in ('stats', 'inductor', 'aot_autograd') and v},
                phases=compile_times(repr='str', aggregate=True).splitlines()[2:8])
-    if which == 'optimizer': res['buckets'] = [len(q) for _,q,_,_ in opt._plan()]
+    if which != 'model': res['buckets'] = [len(q) for _,q,_,_ in opt._plan()]
     return res
 
 def main(out, device=None, arch='resnet18'):
@@ -46,7 +60,7 @@ def main(out, device=None, arch='resnet18'):
     subprocess.run(['rm', '-rf', env['TORCHINDUCTOR_CACHE_DIR']])
     res = []
     for run in ('cold', 'warm'):
-        for which in ('model', 'optimizer'):
+        for which in ('model', 'optimizer', 'optimizer, one graph'):
             code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from warm_compile import part; "
                     f"print('PART ' + json.dumps(part({which!r}, {device!r}, {arch!r})))")
             p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
