@@ -34,6 +34,7 @@ test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../sh
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
 TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 SCALE_N=3000: a dry run on a CPU machine)
+uf_data() { python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"; }   # (written once)
 bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
 env_txt() { { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch, sys; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__, 'python', sys.version.split()[0])"
@@ -42,11 +43,11 @@ env_txt
 case ${1:-} in
   user-fit)
     arch=${2:?user-fit ARCH}
-    python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"
+    uf_data
     bench "$TMP/uf" --device $DEVICE --sections user-fit --workers 16 --archs "$arch" --epochs 4 --repeats 1 --out "$OUT/user_fit_$arch" \
       2>&1 | tee "$OUT/user_fit_$arch.txt" | grep -v '^\s*$' | tail -40 ;;
   user-fit-rows)
-    python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"
+    uf_data
     python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,no_compile_opt,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
     python3 scripts/warm_compile.py "$OUT" "$DEVICE" resnet18 2>&1 | tee "$OUT/warm_compile.txt" | cut -c1-400 ;;
   before-after)

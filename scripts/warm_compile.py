@@ -11,10 +11,10 @@ The caches go to a folder of their own in the temporary folder, emptied first. W
 """
 import json, os, subprocess, sys, tempfile
 
-def all_buckets(steppers, decouple_wd, momentum, buckets, numbers):
-    "Every bucket of a plan through `bucket_step`, in one function: what one compile makes one graph of"
+def all_buckets(buckets):
+    "Every bucket of a plan through `bucket_step` (each its arguments, as `device_step` gives them), in one function: what one compile makes one graph of"
     from fastai_dali.optimizer import bucket_step
-    for i,b in enumerate(buckets): bucket_step(steppers, decouple_wd, momentum, *b, numbers[i])
+    for a in buckets: bucket_step(*a)
 
 def part(which, device, arch):
     "In this process: `which` ('model', 'optimizer' or 'optimizer, one graph') compiled and called twice on `device`; a dict of its figures"
@@ -39,10 +39,9 @@ def part(which, device, arch):
         else:
             f = torch.compile(all_buckets)
             @torch.no_grad()
-            def call():
-                opt.device_numbers()
-                f(opt.steppers, opt.decouple_wd, opt.momentum, [(ps, [p.grad for p in ps], opt._state_list(ps, st, 'grad_avg'),
-                  opt._state_list(ps, st, 'sqr_avg'), [opt._buf(p) for p in ps], wd) for _,ps,st,wd in opt._plan()], opt.numbers)
+            def call():   # (`device_step` gathers each bucket's arguments; the compiled function runs them all)
+                opt.device_numbers(); buckets = []
+                opt.device_step(bucket=lambda *a: buckets.append(a)); f(buckets)
     ts = []
     for _ in range(2): sync(); t = time.perf_counter(); call(); sync(); ts.append(round(time.perf_counter()-t, 3))
     from torch._dynamo.utils import compile_times, counters
