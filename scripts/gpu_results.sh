@@ -9,10 +9,15 @@
 #   OUT=DIR bash scripts/gpu_results.sh user-fit-rows      scripts/user_fit.py's rows user, user_warm (torch's compile caches
 #                                                          warm, a new process), no_compile_opt, defaults, defaults_no_bar: a
 #                                                          process each; then scripts/warm_compile.py (compiles' parts)
-#   OUT=DIR bash scripts/gpu_results.sh before-after DIR   the bench's throughput section twice and its training section
-#                                                          (resnet18) once for the package in DIR (an earlier tree:
-#                                                          `git archive COMMIT fastai_dali | tar -x -C DIR`) and this tree,
-#                                                          alternating, on the same generated JPEGs
+#   OUT=DIR bash scripts/gpu_results.sh before-after DIR PART
+#                                                          the package in DIR (an earlier tree: `git archive COMMIT
+#                                                          fastai_dali | tar -x -C DIR`) against this tree, in ABBA order
+#                                                          (before, after, after, before: a drift of the machine falls on
+#                                                          both), each a new process on the same generated JPEGs; PART
+#                                                          `throughput`: the bench's throughput section, 30,000 JPEGs, the
+#                                                          median of 3 passes of 120 batches a row (a pass of 60 batches,
+#                                                          ~0.3 s, varied by +-20% from run to run on the H100: 2026-12-07);
+#                                                          `training`: its training section, resnet18, 3 epochs
 #   OUT=DIR bash scripts/gpu_results.sh shards-epochs      from_shards at 1,280,000 + 49,000 JPEGs (64 x 48, 266 tars):
 #                                                          two whole epochs with each batch's wait, DALI's Python workers
 #                                                          8 (the default) and 16
@@ -33,7 +38,7 @@ test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../sh
 : "${OUT:?OUT=DIR: where the results go}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
-TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 SCALE_N=3000: a dry run on a CPU machine)
+TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 BA_N=300 SCALE_N=3000 and BA_ARGS below: a dry run on a CPU machine)
 uf_data() { python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"; }   # (written once)
 bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
 env_txt() { { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
@@ -51,21 +56,21 @@ case ${1:-} in
     python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,no_compile_opt,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
     python3 scripts/warm_compile.py "$OUT" "$DEVICE" resnet18 2>&1 | tee "$OUT/warm_compile.txt" | cut -c1-400 ;;
   before-after)
-    before=$(cd "${2:?before-after DIR}" && pwd)
-    python3 -c "from pathlib import Path; from fastai_dali.bench.core import make_bench_dataset; make_bench_dataset(Path('$TMP/bench_data_$N'), $N)"
-    for r in 1 2; do
-      for side in before after; do
-        dir=$PWD; [[ $side == before ]] && dir=$before
-        (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$N" --device $DEVICE --sections throughput --workers 16 --repeats 1 \
-          --out "$OUT/${side}_throughput_$r") > "$OUT/${side}_throughput_$r.txt" 2>&1
-        echo "$side $r: rc $?"; grep -E '^\| (raw|DaliDataLoaders|ImageDataLoaders)' "$OUT/${side}_throughput_$r.txt" | head -8
-      done
-    done
-    for side in before after; do
-      dir=$PWD; [[ $side == before ]] && dir=$before
-      (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$N" --device $DEVICE --sections training --workers 16 --archs resnet18 \
-        --epochs 3 --repeats 1 --out "$OUT/${side}_training") > "$OUT/${side}_training.txt" 2>&1
-      echo "$side training: rc $?"; grep -E '^\|' "$OUT/${side}_training.txt" | head -12
+    before=$(cd "${2:?before-after DIR PART}" && pwd); part=${3:?before-after DIR PART: throughput or training}
+    n=$N; [[ $part == throughput ]] && n=${BA_N:-30000}
+    python3 -c "from pathlib import Path; from fastai_dali.bench.core import make_bench_dataset; make_bench_dataset(Path('$TMP/bench_data_$n'), $n)"
+    args=(--sections throughput --repeats 3 --max-batches 120); [[ $part == training ]] && args=(--sections training --archs resnet18 --epochs 3 --repeats 1)
+    args+=(${BA_ARGS:-})   # (a dry run on a CPU machine: BA_ARGS='--repeats 1 --max-batches 2 --workers 2')
+    k=0
+    for side in before after after before; do
+      k=$((k+1)); dir=$PWD; [[ $side == before ]] && dir=$before
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 "${args[@]}" \
+        --out "$TMP/before_after/${part}_${k}_$side") > "$OUT/${part}_${k}_$side.txt" 2>&1
+      echo "$k $side: rc $?"
+      # (at most 8 files come back from the GPU machine: the bench's json of each run as a line of one file)
+      python3 -c "import json, sys; print(json.dumps(dict(run=$k, side='$side', bench=json.load(open(sys.argv[1])))))" \
+        "$TMP/before_after/${part}_${k}_$side/bench.json" >> "$OUT/${part}.jsonl"
+      grep -E '^\| (raw|decode|DaliDataLoaders|ImageDataLoaders|learn.fit)' "$OUT/${part}_${k}_$side.txt" | head -12
     done ;;
   shards-epochs|shards-trace)
     n=${SCALE_N:-1280000}

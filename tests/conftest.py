@@ -140,20 +140,22 @@ def build_at_once(*dls, timeout=300):
         for f in [ex.submit(dl.one_batch) for dl in dls]: f.result(timeout)  # a hang: TimeoutError, a failure: its error
     finally: ex.shutdown(wait=False)
 
-# The GPU suite runs in 4 processes, a test file each at a time (pytest-xdist `--dist loadfile`), and lasts as long as
-# its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
-# (H200, run 14 of 2026-12-02, less what was cut since: test_lifecycle ~131, test_abandoned_epochs 103, test_parity ~91,
-# test_factories 74, test_user_commands ~74, test_item_order 71, test_augment 69, test_exactly_once 67, test_bad_input 63,
-# test_optimizer 50, ...), so that no long file starts last. pytest-xdist itself
+# The GPU suite runs in several processes, a test file each at a time (pytest-xdist `--dist loadfile`), and lasts as long
+# as its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
+# (H100, run 35 of 2026-12-07, 6 processes: test_step_graph 251, test_lifecycle 209, test_parity 195, test_training 170,
+# test_abandoned_epochs 164, test_augment 130, test_factories 130, test_item_order 114, ...), so that no long file starts
+# last. `test_resume.py` goes first: runs 34 and 35 began it last and the limit cut it after 172 s with 5 of its 8 tests
+# left (its 2-rank tests, CPU ranks, are its longest). pytest-xdist itself
 # hands out the files with the most tests first, whatever their length: in three runs that did so, `test_exactly_once.py`
 # (one test) began when 94% of the tests were done and missed the 480 s limit. So its reordering is off
 # (`--no-loadscope-reorder`, set here) and the collection order below decides. Within a file the order stays. A process
 # starts a test only once it holds the next one too (fixtures are torn down by what comes next), so the process given a
 # one-test file gets a second file at once. Where pytest-randomly (a test requirement) shuffles the files and the tests
 # (its default; `.ci/run` prints the seed) this order is not applied; the GPU suite keeps it with `-p no:randomly`.
-LONGEST_FIRST = ('test_lifecycle.py', 'test_abandoned_epochs.py', 'test_step_graph.py', 'test_parity.py', 'test_factories.py',
-                 'test_user_commands.py', 'test_item_order.py', 'test_augment.py', 'test_exactly_once.py', 'test_bad_input.py',
-                 'test_optimizer.py', 'test_resize_window.py', 'test_training.py', 'test_mixed.py', 'test_segmentation.py',
+LONGEST_FIRST = ('test_resume.py', 'test_step_graph.py', 'test_lifecycle.py', 'test_parity.py', 'test_training.py',
+                 'test_abandoned_epochs.py', 'test_augment.py', 'test_factories.py', 'test_item_order.py', 'test_exactly_once.py',
+                 'test_optimizer.py', 'test_object_storage.py', 'test_user_commands.py', 'test_points_boxes.py',
+                 'test_bad_input.py', 'test_shards.py', 'test_resize_window.py', 'test_segmentation.py', 'test_mixed.py',
                  'test_bench_cli.py', 'test_several_gpus_tutorial.py')
 
 def pytest_configure(config):
