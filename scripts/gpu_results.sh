@@ -7,8 +7,10 @@
 #                                                          augmented and defaults rows, the limit) on scripts/user_fit.py's
 #                                                          folder: 20,000 JPEGs of 300-500 x 240-400 px, 500 for validation
 #   OUT=DIR bash scripts/gpu_results.sh user-fit-rows      scripts/user_fit.py's rows user, user_warm (torch's compile caches
-#                                                          warm, a new process), no_compile_opt, defaults, defaults_no_bar: a
-#                                                          process each; then scripts/warm_compile.py (compiles' parts)
+#                                                          warm, a new process), one_graph_opt, one_graph_opt_warm,
+#                                                          no_compile_opt: a process each
+#   OUT=DIR bash scripts/gpu_results.sh user-fit-bar       its rows defaults, defaults_no_bar (a process each); then
+#                                                          scripts/warm_compile.py (compiles' parts, cold and warm)
 #   OUT=DIR bash scripts/gpu_results.sh before-after DIR PART
 #                                                          the package in DIR (an earlier tree: `git archive COMMIT
 #                                                          fastai_dali | tar -x -C DIR`) against this tree, in ABBA order
@@ -53,7 +55,10 @@ case ${1:-} in
       2>&1 | tee "$OUT/user_fit_$arch.txt" | grep -v '^\s*$' | tail -40 ;;
   user-fit-rows)
     uf_data
-    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,no_compile_opt,defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
+    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,one_graph_opt,one_graph_opt_warm,no_compile_opt 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600 ;;
+  user-fit-bar)
+    uf_data
+    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
     python3 scripts/warm_compile.py "$OUT" "$DEVICE" resnet18 2>&1 | tee "$OUT/warm_compile.txt" | cut -c1-400 ;;
   before-after)
     before=$(cd "${2:?before-after DIR PART}" && pwd); part=${3:?before-after DIR PART: throughput or training}
