@@ -13,13 +13,14 @@
 #                                                          scripts/warm_compile.py (compiles' parts, cold and warm)
 #   OUT=DIR bash scripts/gpu_results.sh before-after DIR PART
 #                                                          the package in DIR (an earlier tree: `git archive COMMIT
-#                                                          fastai_dali | tar -x -C DIR`) against this tree, in ABBA order
-#                                                          (before, after, after, before: a drift of the machine falls on
-#                                                          both), each a new process on the same generated JPEGs; PART
-#                                                          `throughput`: the bench's throughput section, 30,000 JPEGs, the
-#                                                          median of 3 passes of 120 batches a row (a pass of 60 batches,
-#                                                          ~0.3 s, varied by +-20% from run to run on the H100: 2026-12-07);
-#                                                          `training`: its training section, resnet18, 3 epochs
+#                                                          fastai_dali | tar -x -C DIR`) against this tree, each run a new
+#                                                          process on the same generated JPEGs, in ABBA order (a drift of
+#                                                          the machine falls on both); PART `throughput`:
+#                                                          scripts/loader_epochs.py (whole epochs of the train and valid
+#                                                          loaders and of a hand-written pipeline, the control), 30,000
+#                                                          JPEGs, 8 runs (the bench's 0.3-s passes varied by +-20% from
+#                                                          run to run on the H100, 2026-12-07); `training`: the bench's
+#                                                          training section, resnet18, 3 epochs, 4 runs
 #   OUT=DIR bash scripts/gpu_results.sh shards-epochs      from_shards at 1,280,000 + 49,000 JPEGs (64 x 48, 266 tars):
 #                                                          two whole epochs with each batch's wait, DALI's Python workers
 #                                                          8 (the default) and 16
@@ -40,7 +41,7 @@ test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../sh
 : "${OUT:?OUT=DIR: where the results go}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
-TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 BA_N=300 SCALE_N=3000 and BA_ARGS below: a dry run on a CPU machine)
+TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 BA_N=300 BA_EPOCHS=2 BA_ARGS='--max-batches 2 --archs ""' SCALE_N=3000: a dry run on a CPU machine)
 uf_data() { python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"; }   # (written once)
 bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
 env_txt() { { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
@@ -64,18 +65,25 @@ case ${1:-} in
     before=$(cd "${2:?before-after DIR PART}" && pwd); part=${3:?before-after DIR PART: throughput or training}
     n=$N; [[ $part == throughput ]] && n=${BA_N:-30000}
     python3 -c "from pathlib import Path; from fastai_dali.bench.core import make_bench_dataset; make_bench_dataset(Path('$TMP/bench_data_$n'), $n)"
-    args=(--sections throughput --repeats 3 --max-batches 120); [[ $part == training ]] && args=(--sections training --archs resnet18 --epochs 3 --repeats 1)
-    args+=(${BA_ARGS:-})   # (a dry run on a CPU machine: BA_ARGS='--repeats 1 --max-batches 2 --workers 2')
+    sides="before after after before"; [[ $part == throughput ]] && sides="$sides $sides"
     k=0
-    for side in before after after before; do
+    for side in $sides; do
       k=$((k+1)); dir=$PWD; [[ $side == before ]] && dir=$before
-      (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 "${args[@]}" \
-        --out "$TMP/before_after/${part}_${k}_$side") > "$OUT/${part}_${k}_$side.txt" 2>&1
-      echo "$k $side: rc $?"
-      # (at most 8 files come back from the GPU machine: the bench's json of each run as a line of one file)
-      python3 -c "import json, sys; print(json.dumps(dict(run=$k, side='$side', bench=json.load(open(sys.argv[1])))))" \
-        "$TMP/before_after/${part}_${k}_$side/bench.json" >> "$OUT/${part}.jsonl"
-      grep -E '^\| (raw|decode|DaliDataLoaders|ImageDataLoaders|learn.fit)' "$OUT/${part}_${k}_$side.txt" | head -12
+      if [[ $part == throughput ]]; then   # (the script from this tree, the package from $dir)
+        PYTHONPATH=/tmp/site:$dir python3 scripts/loader_epochs.py "$TMP/bench_data_$n" ${BA_EPOCHS:-6} $DEVICE > "$TMP/ba_run.txt" 2>&1
+        echo "$k $side: rc $?"
+        grep '^{' "$TMP/ba_run.txt" | python3 -c "import json, sys; o = json.loads(sys.stdin.read()); o.update(run=$k, side='$side'); print(json.dumps(o))" \
+          | tee -a "$OUT/throughput.jsonl" | cut -c1-300
+        tail -c 3000 "$TMP/ba_run.txt" > "$OUT/throughput_last_run.txt"
+      else
+        # (at most 8 files come back from the GPU machine: the bench's json of each run as a line of one file)
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 --sections training \
+          --archs resnet18 --epochs 3 --repeats 1 ${BA_ARGS:-} --out "$TMP/before_after/training_${k}_$side") > "$OUT/training_${k}_$side.txt" 2>&1
+        echo "$k $side: rc $?"
+        python3 -c "import json, sys; print(json.dumps(dict(run=$k, side='$side', bench=json.load(open(sys.argv[1])))))" \
+          "$TMP/before_after/training_${k}_$side/bench.json" >> "$OUT/training.jsonl"
+        grep -E '^\| (raw|DaliDataLoaders|learn.fit)' "$OUT/training_${k}_$side.txt" | head -12
+      fi
     done ;;
   shards-epochs|shards-trace)
     n=${SCALE_N:-1280000}
