@@ -321,6 +321,10 @@ def _capture(self:StepGraphCallback, xs, ys):
     if any(p.grad is None for p in grads):
         refill(); raise RuntimeError("StepGraphCallback: the captured backward gave no gradient to a tensor that had one")
     opt.captured = opt.plan_key(plan)   # (`device_numbers` refuses another structure from now on)
+    # the prediction and loss without the capture's autograd graph: kept, it would keep each parameter's accumulation node of
+    # the side stream, and fastai's own step on a last, smaller batch would run its backward against them on another stream
+    # (torch warns: "The AccumulateGrad node's stream does not match ...", and synchronizes)
+    pred,loss = apply(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (pred, loss))
     return StepGraph(self._key(xs, ys), learn.loss_func, sx, sy, graph, pred, loss, grads, plan, opt)   # (the key with the graph's gradients)
 
 @patch

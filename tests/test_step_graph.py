@@ -59,7 +59,13 @@ def test_step_graph_trains_as_fastai(id_root, monkeypatch, bf16):
     spread = max(max(rel(a, b) for a,b in zip(theirs, fastai_adam)), 1e-6)
     _,eager = run(id_root, bf16=bf16)
     cb = StepGraphCallback(compile=False)
-    learn,graphed = run(id_root, cb=cb, bf16=bf16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        learn,graphed = run(id_root, cb=cb, bf16=bf16)
+    # fastai's own step on each epoch's last, smaller batch runs its backward on the default stream, after the captured
+    # ones on the side stream: torch warned of the accumulation nodes' streams while the graph kept its autograd graph
+    # (GPU suite run 35, this test, fp32)
+    assert not [w for w in caught if 'AccumulateGrad' in str(w.message)], [str(w.message)[:200] for w in caught]
     dl = learn.dls.train
     full = dl.n//dl.bs   # (43 items, bs 6, no drop_last: 7 full batches an epoch, then one of 1: fastai's own step)
     # the first batch (no gradient yet: a step of its own) and 3 to warm up run eagerly, the 5th is captured and replayed
