@@ -118,18 +118,20 @@ def one_row(row, root, arch, epochs, trace):
     timer = train_timer(validate=row not in ('no_valid', 'bench'), split=8); cbs = [timer] + ([Trace()] if trace else [])
     bar = row not in ('no_bar', 'bench', 'defaults_no_bar')
     t0 = time.perf_counter()
-    if row == 'bench':
-        ips,first = [],None
-        for e in range(epochs):
-            with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=cbs)
-            ips,first = ips + timer.runs,first or timer.first
-    else:
-        with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
-        ips,first = timer.runs,timer.first
+    with warnings.catch_warnings(record=True) as fit_caught:   # (what the user's console shows during the fit, once each)
+        warnings.simplefilter('default')
+        if row == 'bench':
+            ips,first = [],None
+            for e in range(epochs):
+                with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=cbs)
+                ips,first = ips + timer.runs,first or timer.first
+        else:
+            with (learn.no_bar() if not bar else contextlib.nullcontext()): learn.fit(epochs, 1e-3, cbs=cbs)
+            ips,first = timer.runs,timer.first
     return dict(row=name, arch=arch, epochs_ips=ips, epochs_s=[timer.n/r for r in ips], median_ips=statistics.median(ips[1:]) if len(ips) > 1 else ips[0],
                 fit_s=time.perf_counter()-t0, device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                 CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), queues_warning=queues_warning,
-                first_epoch=first, compile=_compile_stats())
+                first_epoch=first, compile=_compile_stats(), fit_warnings=sorted({str(w.message)[:160] for w in fit_caught}))
 
 def _compile_stats():
     "torch.compile's own account of the process: seconds per phase, and its caches' hits and misses"
