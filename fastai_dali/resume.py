@@ -65,6 +65,7 @@ from fastai.torch_core import num_distrib, rank_distrib, one_param
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback, CancelEpochException, CancelFitException
+from .training import PickledAsFastai   # (`learn.export` pickles it as fastai's bare `Callback`: `load_learner` needs fastai alone)
 
 _MAGIC = b'fastai_dali checkpoint 1\n'
 
@@ -104,7 +105,7 @@ class _Fits:
 
 _FITS = weakref.WeakKeyDictionary()   # learner -> {checkpoint file: _Fits}
 
-class ResumeCallback(Callback):
+class ResumeCallback(PickledAsFastai, Callback):
     "Save what `learn.fit` needs to go on every `every` training batches and `minutes` (atomically, to `learn.path/learn.model_dir/fname.ckpt`); a fit started where the file is goes on from it"
     order,run_valid = 95,False   # (after fastai's `TrainEvalCallback`, `DistributedTrainer` and `Recorder`)
     def __init__(self, fname:str='resume', every:int=None, minutes:float=10., resume:bool=True):

@@ -287,3 +287,17 @@ def test_export_after_a_fit_cut_short(tmp_path, deployed):
         l3 = load_learner(tmp_path/'cut.pkl')
     preds,_ = l3.get_preds(dl=l3.dls.test_dl(files))   # fastai's progress bar on: its own `after_batch` runs
     assert preds.shape[0] == len(files)
+
+def test_resume_callback_in_cbs(tmp_path, deployed):
+    "A learner trained with `cbs=ResumeCallback(...)` (the README's way to survive a kill) exports with it, as fastai's bare `Callback`, after its fit (which left its loader and fits on it): the file loads and predicts with fastai alone"
+    from fastai_dali.resume import ResumeCallback
+    fn,files,rm = deployed['jobs']['classifier']
+    learn = deployed['learns']['classifier']
+    learn2 = Learner(learn.dls, small_cnn(learn.dls.c), loss_func=learn.loss_func, path=tmp_path, cbs=ResumeCallback(every=2))
+    with learn2.no_bar(), learn2.no_logging(): learn2.fit(1, 1e-2)
+    assert (tmp_path/'models'/'resume.ckpt').exists()   # (it ran: a checkpoint written)
+    learn2.export(tmp_path/'resumable.pkl')
+    assert ours(pickled_modules(tmp_path/'resumable.pkl')) == []
+    res = run_app({'resumable': (tmp_path/'resumable.pkl', files, rm)}, tmp_path)['resumable']
+    assert 'error' not in res, res['error']
+    assert len(res['preds']) == len(files)
