@@ -41,7 +41,7 @@ def expand_braces(p:str):
     return [q for o in opts for q in expand_braces(p[:m.start()] + o + p[m.end():])]
 
 # %% ../nbs/03bb_storage.ipynb #s011
-S3_TIMEOUTS = dict(connect_timeout=3, read_timeout=10, retries={'max_attempts': 2, 'mode': 'standard'})   # (seconds; a silent endpoint: ~20 s)
+S3_TIMEOUTS = dict(connect_timeout=3, read_timeout=10, retries={'total_max_attempts': 3, 'mode': 'standard'})   # (seconds; 3 tries in all; a silent endpoint: ~20 s)
 
 _clients,_lock = {},threading.Lock()
 
@@ -56,7 +56,7 @@ def s3_client():
     except ImportError: raise ImportError("reading s3:// shards needs boto3: pip install boto3") from None
     with _lock:
         if (c := _clients.get(pid)) is None:
-            c = _clients[pid] = boto3.session.Session().client('s3', config=Config(max_pool_connections=64, **S3_TIMEOUTS))
+            c = _clients[pid] = boto3.session.Session().client('s3', config=Config(max_pool_connections=64, **{**S3_TIMEOUTS, 'retries': dict(S3_TIMEOUTS['retries'])}))   # (botocore may rewrite its retries)
     return c
 
 # %% ../nbs/03bb_storage.ipynb #s013

@@ -19,6 +19,11 @@ from conftest import DEVICE
 @pytest.fixture(scope='module')
 def root(tmp_path_factory): return make_image_folder(tmp_path_factory.mktemp('opt'), 24, 8, min_size=40, max_size=64, seed=5)
 
+@pytest.fixture(autouse=True)
+def _cudnn_as_it_was(monkeypatch):
+    "fastai's `set_seed(reproducible=True)` (below) sets cuDNN's flags for the whole process: put back after each test, so that no later test depends on this file having run"
+    for k in ('deterministic', 'benchmark'): monkeypatch.setattr(torch.backends.cudnn, k, getattr(torch.backends.cudnn, k))
+
 def fine_tuned(root, opt_func, **kw):
     set_seed(0, reproducible=True)
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(32), bs=8, device=DEVICE, seed=0)
