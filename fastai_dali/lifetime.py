@@ -16,21 +16,19 @@ _live_pipes, _inherited, _deferred = weakref.WeakSet(), [], []
 
 def track_pipeline(pipe):
     "Register `pipe`: a forked child never destroys its copy, and a collection in another thread leaves its shutdown to this one (see \"Collections in other threads\")"
+    _hook_process()
     _live_pipes.add(pipe)
     if type(pipe) is Pipeline: pipe.__class__ = _MainThreadShutdown  # (`pipeline_def` makes a plain `Pipeline`)
     return pipe
 
 def _keep_in_child():
     _inherited.extend(_live_pipes); _inherited.extend(_deferred); _deferred.clear()
-if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)
 
 def _close_pools(live=_live_pipes, inherited=_inherited, deferred=_deferred):  # bound now: it runs at exit
     "Stop the Python worker processes of this process's live pipelines (idempotent)"
     for p in list(live) + list(deferred):
         pool = getattr(p, '_py_pool', None)  # DALI stops them itself, from an atexit hook
         if pool is not None and not any(p is q for q in inherited): pool.close()
-
-Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
 
 # %% ../nbs/02b_lifetime.ipynb #c010c
 class _MainThreadShutdown(Pipeline):
@@ -43,7 +41,16 @@ def _shutdown_deferred(deferred=_deferred):
     "Shut down, in this thread, the pipelines that collections in other threads found dropped"
     while deferred: deferred.pop()._shutdown()
 
-atexit.register(_shutdown_deferred)  # before DALI's own atexit hook (registered earlier, run later)
+_hooked = False   # the process's hooks below registered (with its first pipeline: importing this module registers nothing)
+
+def _hook_process():
+    "Once a process, with its first tracked pipeline: the fork, multiprocessing-exit and exit hooks the pipelines need"
+    global _hooked
+    if _hooked: return
+    _hooked = True
+    if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_keep_in_child)
+    Finalize(None, _close_pools, exitpriority=0)  # before multiprocessing joins this process's children at exit
+    atexit.register(_shutdown_deferred)  # before DALI's own atexit hook (registered at its import, earlier: run later)
 
 # %% ../nbs/02b_lifetime.ipynb #c011
 def collect_dropped(gpu=True):

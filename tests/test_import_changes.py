@@ -1,6 +1,7 @@
 """What `from fastai_dali.all import *` changes outside fastai_dali's own objects is what `fastai_dali.patches.PATCHES` and
 the README list, and nothing more; importing every other module changes nothing: in a fresh process, every attribute of
-every class and module of fastai and fastcore, fastai's `defaults` and the environment, read before the import and after."""
+every class and module of fastai and fastcore, fastai's `defaults`, the environment and the process's exit hooks (`atexit`,
+multiprocessing's finalizers: a pipeline's are registered with the first pipeline), read before the import and after."""
 import json, os, subprocess, sys, textwrap
 from pathlib import Path
 from fastcore.test import test_eq as eq   # (as `eq`: pytest would collect `test_eq`)
@@ -18,8 +19,10 @@ SNAPSHOT = textwrap.dedent('''
         from fastai.torch_core import defaults
         res['defaults'] = repr(sorted((k, repr(v)) for k,v in vars(defaults).items()))
         res['environ'] = repr(sorted(os.environ.items()))
+        import atexit, multiprocessing.util
+        res['exit hooks'] = (atexit._ncallbacks(), len(multiprocessing.util._finalizer_registry))   # (and fork hooks with them)
         return res
-    import fastai.vision.all, fastai.distributed
+    import fastai.vision.all, fastai.distributed, nvidia.dali, nvidia.dali.plugin.pytorch   # (DALI's own exit hooks first)
     before = snapshot()
     IMPORT
     after = snapshot()
