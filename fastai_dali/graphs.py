@@ -4,7 +4,7 @@
 
 # %% ../nbs/04e_graphs.ipynb #79934199
 from __future__ import annotations
-import contextlib, warnings
+import contextlib, sys, warnings
 from types import FunctionType
 from dataclasses import dataclass
 import torch
@@ -80,10 +80,16 @@ def _hooked(model):
     ps = any(getattr(p, '_backward_hooks', None) or getattr(p, '_post_accumulate_grad_hooks', None) for p in model.parameters())
     return any(glob) or mods or ps
 
+def _instance_of(c, module:str, name:str):
+    "Whether `c` is an instance of the class `name` of `module`, where that module is imported (it needs what fastai does not: `accelerate`, `tensorboard`)"
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(c, cls)
+
 def _inside(c):
     "The events inside the training step `c` acts at (TensorBoard's `after_pred` acts only with its projector)"
     evs = [e for e in _INSIDE if hasattr(type(c), e)]
-    if type(c).__name__.startswith('TensorBoard') and not getattr(c, 'projector', False): evs = [e for e in evs if e != 'after_pred']
+    if _instance_of(c, 'fastai.callback.tensorboard', 'TensorBoardBaseCallback') and not getattr(c, 'projector', False):
+        evs = [e for e in evs if e != 'after_pred']
     return evs
 
 def step_refusal(learn):
@@ -95,7 +101,7 @@ def step_refusal(learn):
                 "Adam, RAdam or SGD as their foreach twins (`opt_func=ForeachAdam`, `ForeachRAdam`, `ForeachSGD`, or `foreach_twin(opt_func)`)")
     if opt.steppers == 'radam' and any(h.get('beta') for h in opt.hypers): return "SAdam (RAdam with `beta`) steps a tensor at a time"
     if isinstance(learn.model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or any(
-        type(c).__name__ == 'DistributedTrainer' for c in learn.cbs):
+        _instance_of(c, 'fastai.distributed', 'DistributedTrainer') for c in learn.cbs):
         return "the model runs on several GPUs; the graph holds one process's step on one GPU (use `CudaGraphCallback` under `distrib_ctx`)"
     mix = [c for c in learn.cbs if isinstance(c, MixHandler)]
     if mix: return f"{names(mix)} mixes each batch with weights its loss reads from the callback, not from the batch"
