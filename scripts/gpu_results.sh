@@ -36,11 +36,12 @@
 #     botocore, s3transfer, jmespath, werkzeug, flask, flask_cors, xmltodict, responses, requests, urllib3, itsdangerous,
 #     blinker, click, python_dateutil, six, cryptography, cffi, pycparser, pyyaml, charset_normalizer, idna, certifi,
 #     py_partiql_parser, py_spy)
+SITE=${SITE:-/tmp/site}   # where DALI, fastai and the rest are installed (`pip install --target`): PYTHONPATH
 set -u
-test -d /tmp/site || { echo "/tmp/site is missing: stage the wheels first (../shared/gpu/README.md)"; exit 3; }
+test -d $SITE || { echo "$SITE is missing: stage the wheels first (../shared/gpu/README.md)"; exit 3; }
 : "${OUT:?OUT=DIR: where the results go}"
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
+export PYTHONPATH=$SITE:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
 TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 BA_N=300 BA_EPOCHS=2 BA_ARGS='--max-batches 2 --archs ""' SCALE_N=3000: a dry run on a CPU machine)
 uf_data() { python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"; }   # (written once)
 bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
@@ -70,14 +71,14 @@ case ${1:-} in
     for side in $sides; do
       k=$((k+1)); dir=$PWD; [[ $side == before ]] && dir=$before
       if [[ $part == throughput ]]; then   # (the script from this tree, the package from $dir)
-        PYTHONPATH=/tmp/site:$dir python3 scripts/loader_epochs.py "$TMP/bench_data_$n" ${BA_EPOCHS:-6} $DEVICE > "$TMP/ba_run.txt" 2>&1
+        PYTHONPATH=$SITE:$dir python3 scripts/loader_epochs.py "$TMP/bench_data_$n" ${BA_EPOCHS:-6} $DEVICE > "$TMP/ba_run.txt" 2>&1
         echo "$k $side: rc $?"
         grep '^{' "$TMP/ba_run.txt" | python3 -c "import json, sys; o = json.loads(sys.stdin.read()); o.update(run=$k, side='$side'); print(json.dumps(o))" \
           | tee -a "$OUT/throughput.jsonl" | cut -c1-300
         tail -c 3000 "$TMP/ba_run.txt" > "$OUT/throughput_last_run.txt"
       else
         # (at most 8 files come back from the GPU machine: the bench's json of each run as a line of one file)
-        (cd "$dir" && PYTHONPATH=/tmp/site:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 --sections training \
+        (cd "$dir" && PYTHONPATH=$SITE:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 --sections training \
           --archs resnet18 --epochs 3 --repeats 1 ${BA_ARGS:-} --out "$TMP/before_after/training_${k}_$side") > "$OUT/training_${k}_$side.txt" 2>&1
         echo "$k $side: rc $?"
         python3 -c "import json, sys; print(json.dumps(dict(run=$k, side='$side', bench=json.load(open(sys.argv[1])))))" \
@@ -110,7 +111,7 @@ EOF
     else
       # py-spy (on the PATH, or installed by `extras`): every thread, idle samples kept (the main thread waiting on DALI shows
       # as such), DALI's worker processes too
-      export PATH=$PATH:/tmp/site/bin
+      export PATH=$PATH:$SITE/bin
       command -v py-spy >/dev/null || { echo "py-spy is missing: run \`gpu_results.sh extras\` first"; exit 3; }
       py-spy record --idle --threads --subprocesses --nonblocking --rate 200 --format raw -o "$TMP/shards_trace_spy.txt" -- \
         python3 "$TMP/shards_epochs_run.py" trace "${args[@]}" 2>&1 | grep -v '^py-spy> You can'
@@ -120,7 +121,7 @@ EOF
       [[ $(stat -c %s "$OUT/shards_trace_spy.txt.gz") -gt 40000000 ]] && rm "$OUT/shards_trace_spy.txt.gz"
     fi ;;
   extras)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl && ls /tmp/site/bin ;;
+    python3 -m pip install -q --no-index --no-deps --target $SITE .gpu/extra/*.whl && ls $SITE/bin ;;
   suite)
     SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
   *) sed -n '2,31p' "$0"; exit 2 ;;

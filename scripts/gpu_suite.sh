@@ -8,22 +8,23 @@
 # pytest-xdist's wheels are installed from .whl/ if it is missing). Runs the whole GPU suite in one go
 # (FASTAI_DALI_TEST_DEVICE=cuda pytest -q tests; the bad-input tests log their measured |DALI - fastai| to
 # $OUT/diffs_cuda.jsonl), then the extra measurements; every result goes to $OUT as it is produced.
+SITE=${SITE:-/tmp/site}   # where DALI, fastai and the rest are installed (`pip install --target`): PYTHONPATH
 set -u
-test -d /tmp/site || exit 3
+test -d $SITE || exit 3
 procs=${3:-1}; xd=""
 if [[ $procs -gt 1 ]]; then
-  python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .whl/*.whl
   xd="-n $procs --dist ${DIST:-loadfile}"
 fi
-export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl FASTAI_DALI_BUILD_LOG=$OUT/builds_cuda.jsonl
+export PYTHONPATH=$SITE:$PWD MPLBACKEND=Agg FASTAI_DALI_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 FASTAI_DALI_DIFF_LOG=$OUT/diffs_cuda.jsonl FASTAI_DALI_BUILD_LOG=$OUT/builds_cuda.jsonl
 run=${1:-1}; extra=${2:-none}
 # Every process of the suite (4 xdist workers, the console-command tests' subprocesses, DALI's spawned workers) imports
 # torch, fastai and DALI: byte-compile what was installed into /tmp/site once (pip installed it with --no-compile), and
 # say what an import costs before and after
 imp() { python3 -c "import time; t = time.perf_counter(); import fastai_dali.all; print('import fastai_dali.all ($1): %.1f s' % (time.perf_counter() - t))" 2>&1 | tail -1; }
-if [[ ! -f /tmp/site/.compiled ]]; then
+if [[ ! -f $SITE/.compiled ]]; then
   { echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"; imp 'as installed'; imp 'again'
-    python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; touch /tmp/site/.compiled; imp 'byte-compiled'; } > $OUT/import_times.txt 2>&1
+    python3 -m compileall -q -j 0 $SITE > /dev/null 2>&1; touch $SITE/.compiled; imp 'byte-compiled'; } > $OUT/import_times.txt 2>&1
   cat $OUT/import_times.txt
 fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
