@@ -29,8 +29,11 @@ def test_tutorial_script_learns(tmp_path):
     train = importlib.util.module_from_spec(spec); spec.loader.exec_module(train)
     path = make_image_folder(tmp_path/'photos')  # as the tutorial: 4 classes, 40 training and 10 validation JPEGs each
     threads = torch.get_num_threads(); torch.set_num_threads(1)
-    try: acc = {loader: train.main(path, loader=loader) for loader in ('fastai', 'dali')}
+    try:
+        acc = {loader: train.main(path, loader=loader) for loader in ('fastai', 'dali')}
+        control = train.main(path, loader='dali', lr=0.)   # (a run that cannot learn: the bound below must fail it)
     finally: torch.set_num_threads(threads)
+    assert control < 3*CHANCE, f"a run that learns nothing passes the bound: {control}"
     # fastai's loaders on the same settings are the reference: the settings must learn with them (3 x chance), and
     # DaliDataLoaders must learn as well, up to the spread of seeds (0.1 apart at most over seeds 0 to 3 and 42)
     assert acc['fastai'] >= 3*CHANCE, f"the tutorial's settings do not learn on ImageDataLoaders: {acc}"
