@@ -11,7 +11,7 @@ from fastai.optimizer import Optimizer, debias
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # %% auto #0
-__all__ = ['ForeachOptimizer', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'bucket_step', 'HostReads']
+__all__ = ['ForeachOptimizer', 'HostOps', 'DeviceOps', 'bucket_step', 'ForeachAdam', 'ForeachRAdam', 'ForeachSGD', 'HostReads']
 
 # %% ../nbs/04b_optimizer.ipynb #c005
 class ForeachOptimizer(Optimizer):
@@ -23,12 +23,6 @@ class ForeachOptimizer(Optimizer):
         self.numbers = None   # `device_numbers`' rows on the parameters' device (see "The step with its numbers on the device")
         self.captured = None  # the `plan_key` a CUDA graph of `device_step` was captured for, set by the capturer
 
-    def _with_grad(self):
-        "(hyper-parameters, tensors with a gradient, their states) for each parameter group that has any"
-        for pg,hyper in zip(self.param_lists, self.hypers):
-            ps = [p for p in pg if p.grad is not None]
-            if ps: yield hyper,ps,[self.state[p] for p in ps]
-
     @torch.no_grad()
     def zero_grad(self):
         gs = [p.grad for pg in self.param_lists for p in pg if p.grad is not None]
@@ -39,19 +33,34 @@ class ForeachOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
-        for hyper,ps,states in self._with_grad(): getattr(self, f'_{self.steppers}')(hyper, ps, states)
+        plan = self._plan()
+        self._count(plan)
+        for g,ps,states,wd in plan:   # (each bucket: a group's tensors at one step count, its numbers Python floats)
+            h = self.hypers[g]
+            bucket_step(self.steppers, self.decouple_wd, self.momentum, *self._bucket_tensors(ps, states), wd,
+                        self._bucket_numbers(h, states[0].get('step', 0)), HostOps, h.get('beta', 0.))
 
 
 # %% ../nbs/04b_optimizer.ipynb #c006
+_NUMBERS = ('decay', 'l2', 'mom', 'damp', 'sqr_mom', 'sqr_damp', 'debias2', 'eps', 'grad_step', 'avg_step')
+
 @patch
-def _decay(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `weight_decay` (or `l2_reg` when not `decouple_wd`) on the tensors whose state allows it (`do_wd`)"
-    lr,wd = hyper['lr'],hyper['wd']
-    if wd == 0: return
-    ps = [p for p,s in zip(ps, states) if s.get('do_wd', True)]
-    if not ps: return
-    if self.decouple_wd: torch._foreach_mul_(ps, 1 - lr*wd)
-    else: torch._foreach_add_([p.grad for p in ps], ps, alpha=wd)
+def _plan(self:ForeachOptimizer):
+    "The step's structure: for each parameter group with gradients, its tensors grouped by step count (their states, a flag each for weight decay): its buckets"
+    res = []
+    for g,(pg,hyper) in enumerate(zip(self.param_lists, self.hypers)):
+        ps = [p for p in pg if p.grad is not None]
+        by = {}
+        for p in ps: by.setdefault(self.state[p].get('step', 0), []).append(p)
+        res += [(g, q, [self.state[p] for p in q], tuple(self.state[p].get('do_wd', True) for p in q)) for _,q in sorted(by.items())]
+    return res
+
+@patch
+def _count(self:ForeachOptimizer, plan):
+    "Count this step in the states of `plan`'s tensors: fastai's `step_stat` (Adam's and RAdam's, not SGD's)"
+    if self.steppers == 'sgd': return
+    for _,_,states,_ in plan:
+        for s in states: s['step'] = s.get('step', 0) + 1
 
 @patch
 def _state_list(self:ForeachOptimizer, ps, states, name):
@@ -64,13 +73,17 @@ def _state_list(self:ForeachOptimizer, ps, states, name):
     return [s[name] for s in states]
 
 @patch
-def _averages(self:ForeachOptimizer, ps, states, name, mom, damp, sqr=False):
-    "fastai's `average_grad` (or `average_sqr_grad`): the `name` state of each tensor, created as zeros at its first step"
-    avgs,grads = self._state_list(ps, states, name),[p.grad for p in ps]
-    torch._foreach_mul_(avgs, mom)
-    if sqr: torch._foreach_addcmul_(avgs, grads, grads, value=damp)
-    else: torch._foreach_add_(avgs, grads, alpha=damp)
-    return avgs
+def _buf(self:ForeachOptimizer, p):
+    b = self._bufs.get(p)
+    if b is None or b.shape != p.shape or b.device != p.device or b.dtype != p.dtype: b = self._bufs[p] = torch.empty_like(p)
+    return b
+
+@patch
+def _bucket_tensors(self:ForeachOptimizer, ps, states):
+    "A bucket's tensors as `bucket_step` takes them: the tensors, their gradients, `grad_avg` and `sqr_avg` (made at their first step), Adam's denominator buffers"
+    adam = self.steppers != 'sgd'
+    return (ps, [p.grad for p in ps], self._state_list(ps, states, 'grad_avg') if adam or self.momentum else None,
+            self._state_list(ps, states, 'sqr_avg') if adam else None, [self._buf(p) for p in ps] if adam else None)
 
 # %% ../nbs/04b_optimizer.ipynb #b0c5e7a1
 @patch
@@ -91,61 +104,50 @@ def _bucket_numbers(self:ForeachOptimizer, hyper, step):
     return (decay, l2, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps or 0., grad_step, avg_step)
 
 # %% ../nbs/04b_optimizer.ipynb #c007
-@patch
-def _moments(self:ForeachOptimizer, hyper, ps, states):
-    "The steppers `Adam` and `RAdam` share: weight decay, `average_grad(dampening=True)`, `average_sqr_grad`, `step_stat`; then, for each step count, the step, its tensors and their averages"
-    # (tensors unfrozen later have fewer steps; their averages: their grad averages, and their buffers holding their sqr
-    # averages, for the denominators)
-    mom,sqr_mom = hyper['mom'],hyper['sqr_mom']
-    self._decay(hyper, ps, states)
-    gas = self._averages(ps, states, 'grad_avg', mom, 1-mom)
-    sas = self._averages(ps, states, 'sqr_avg', sqr_mom, 1-sqr_mom, sqr=True)
-    for s in states: s['step'] = s.get('step', 0) + 1
-    bufs = [self._buf(p) for p in ps]
-    torch._foreach_copy_(bufs, sas)
-    steps = [s['step'] for s in states]
-    counts = sorted(set(steps))
-    for step in counts:
-        k = range(len(ps)) if len(counts) == 1 else [i for i,n in enumerate(steps) if n == step]
-        yield step,[ps[i] for i in k],[gas[i] for i in k],[bufs[i] for i in k]
+class HostOps:
+    "`bucket_step`'s operations with its numbers as Python floats: the fused overloads fastai's own steppers call (the same roundings)"
+    @staticmethod
+    def add_scaled_(ts, xs, a): torch._foreach_add_(ts, xs, alpha=a)              # ts += a*xs
+    @staticmethod
+    def add_sq_scaled_(ts, xs, a): torch._foreach_addcmul_(ts, xs, xs, value=a)   # ts += a*xs*xs
+    @staticmethod
+    def add_(ts, a): torch._foreach_add_(ts, a)                                   # ts += a
+    @staticmethod
+    def add_ratio_(ts, n, d, a): torch._foreach_addcdiv_(ts, n, d, value=a)       # ts += a*n/d
 
-@patch
-def _adam(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `Adam` steppers: `_moments`, then `adam_step`, with the numbers of each step count from `_bucket_numbers` (below)"
-    for step,q,g,b in self._moments(hyper, ps, states):
-        *_,debias2,eps,grad_step,_ = self._bucket_numbers(hyper, step)
-        torch._foreach_div_(b, debias2)
-        torch._foreach_sqrt_(b)
-        torch._foreach_add_(b, eps)
-        torch._foreach_addcdiv_(q, g, b, value=grad_step)
+class DeviceOps:
+    "The same with its numbers as tensors on the device, read there (no host read: what a CUDA graph captures, `torch.compile` fuses)"
+    @staticmethod
+    def add_scaled_(ts, xs, a): torch._foreach_add_(ts, torch._foreach_mul(xs, a))
+    @staticmethod
+    def add_sq_scaled_(ts, xs, a):
+        x2 = torch._foreach_mul(xs, xs); torch._foreach_mul_(x2, a); torch._foreach_add_(ts, x2)
+    @staticmethod
+    def add_(ts, a): torch._foreach_add_(ts, a, alpha=1)   # (`alpha` picks the overload that reads `a` on the device)
+    @staticmethod
+    def add_ratio_(ts, n, d, a):
+        u = torch._foreach_div(n, d); torch._foreach_mul_(u, a); torch._foreach_add_(ts, u)
 
-@patch
-def _radam(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `RAdam` steppers: `_moments`, then `radam_step`, its rectification in `_bucket_numbers` (below)"
-    for step,q,g,b in self._moments(hyper, ps, states):
-        *_,debias2,eps,grad_step,avg_step = self._bucket_numbers(hyper, step)
-        if avg_step:  # too few steps for the variance: a momentum step
-            torch._foreach_add_(q, g, alpha=avg_step)
-            continue
-        torch._foreach_div_(b, debias2)
-        torch._foreach_sqrt_(b)
-        if eps: torch._foreach_add_(b, eps)
-        if hyper['beta']:  # SAdam: no foreach softplus (a tensor at a time, as fastai)
-            for o in b: o.copy_(F.softplus(o, hyper['beta']))
-        torch._foreach_addcdiv_(q, g, b, value=grad_step)
-
-@patch
-def _buf(self:ForeachOptimizer, p):
-    b = self._bufs.get(p)
-    if b is None or b.shape != p.shape or b.device != p.device or b.dtype != p.dtype: b = self._bufs[p] = torch.empty_like(p)
-    return b
-
-@patch
-def _sgd(self:ForeachOptimizer, hyper, ps, states):
-    "fastai's `SGD` steppers: weight decay, then `sgd_step`, or `average_grad` (no dampening) and `momentum_step`"
-    self._decay(hyper, ps, states)
-    d = self._averages(ps, states, 'grad_avg', hyper['mom'], 1.) if self.momentum else [p.grad for p in ps]
-    torch._foreach_add_(ps, d, alpha=-hyper['lr'])
+def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, sqrs, bufs, wd, num, ops=DeviceOps, beta=0.):
+    "One bucket of the step (fastai's steppers `steppers` on tensors `ps` at one step count), the optimizer nowhere: what `step` runs with `HostOps` and `device_step` with `DeviceOps` (and `torch.compile` can fuse)"
+    # (their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for weight decay,
+    # `num` the bucket's `_bucket_numbers`: floats, or their row of `device_numbers`; `beta`: SAdam's, the host's only)
+    decay,l2,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,avg_step = num.unbind() if isinstance(num, torch.Tensor) else num
+    if any(wd):   # (a flag each, not a second list of the same tensors: a compiled function would see them aliased)
+        dec = [p for p,w in zip(ps, wd) if w]
+        if decouple_wd: torch._foreach_mul_(dec, decay)                          # fastai's `weight_decay`
+        else: ops.add_scaled_([g for g,w in zip(grads, wd) if w], dec, l2)       # `l2_reg`
+    if steppers == 'sgd':
+        if momentum: torch._foreach_mul_(avgs, mom); ops.add_scaled_(avgs, grads, damp)   # `average_grad`, no dampening
+        else: avgs = grads
+        ops.add_scaled_(ps, avgs, grad_step); return                             # `sgd_step` / `momentum_step`
+    torch._foreach_mul_(avgs, mom); ops.add_scaled_(avgs, grads, damp)          # `average_grad(dampening=True)`
+    torch._foreach_mul_(sqrs, sqr_mom); ops.add_sq_scaled_(sqrs, grads, sqr_damp)   # `average_sqr_grad`
+    torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, debias2); torch._foreach_sqrt_(bufs); ops.add_(bufs, eps)
+    if beta:   # SAdam: no foreach softplus (a tensor at a time, as fastai)
+        for o in bufs: o.copy_(F.softplus(o, beta))
+    ops.add_ratio_(ps, avgs, bufs, grad_step)                                    # `adam_step`, `radam_step` rectified
+    if steppers == 'radam': ops.add_scaled_(ps, avgs, avg_step)                  # `radam_step` while `r` <= 5
 
 # %% ../nbs/04b_optimizer.ipynb #c009
 def ForeachAdam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True) -> ForeachOptimizer:
@@ -162,19 +164,6 @@ def ForeachSGD(params, lr, mom=0., wd=0., decouple_wd=True) -> ForeachOptimizer:
     return ForeachOptimizer(params, 'sgd', decouple_wd=decouple_wd, momentum=mom != 0, lr=lr, mom=mom, wd=wd)
 
 # %% ../nbs/04b_optimizer.ipynb #0935f9af
-_NUMBERS = ('decay', 'l2', 'mom', 'damp', 'sqr_mom', 'sqr_damp', 'debias2', 'eps', 'grad_step', 'avg_step')
-
-@patch
-def _plan(self:ForeachOptimizer):
-    "The step's structure: for each parameter group with gradients, its tensors grouped by step count (their states, a flag each for weight decay)"
-    res = []
-    for g,(pg,hyper) in enumerate(zip(self.param_lists, self.hypers)):
-        ps = [p for p in pg if p.grad is not None]
-        by = {}
-        for p in ps: by.setdefault(self.state[p].get('step', 0), []).append(p)
-        res += [(g, q, [self.state[p] for p in q], tuple(self.state[p].get('do_wd', True) for p in q)) for _,q in sorted(by.items())]
-    return res
-
 @patch
 def plan_key(self:ForeachOptimizer, plan=None):
     "What a captured `device_step` depends on: which tensors step, in which groups, grouped by step count (of `plan`, or `_plan()`'s)"
@@ -193,9 +182,7 @@ def device_numbers(self:ForeachOptimizer, plan=None):
         raise RuntimeError("device_numbers: the step's structure changed since its graph was captured (a tensor unfrozen, "
                            "or one without a gradient): capture again")
     if not plan: return
-    if self.steppers != 'sgd':   # (fastai's `step_stat`: Adam's and RAdam's, not SGD's)
-        for _,_,states,_ in plan:
-            for s in states: s['step'] = s.get('step', 0) + 1
+    self._count(plan)
     rows = torch.tensor([self._bucket_numbers(self.hypers[g], states[0].get('step', 0)) for g,_,states,_ in plan], dtype=torch.float64)
     dev = plan[0][1][0].device
     if self.numbers is None or self.numbers.shape != rows.shape or self.numbers.device != dev:
@@ -206,38 +193,13 @@ def device_numbers(self:ForeachOptimizer, plan=None):
     self.numbers.copy_(rows.pin_memory() if self.numbers.is_cuda else rows, non_blocking=True)
 
 # %% ../nbs/04b_optimizer.ipynb #ee079517
-def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, sqrs, bufs, wd, num):
-    "One bucket of `device_step`'s plan, in plain foreach ops on lists, the optimizer nowhere: what `torch.compile` can fuse (`device_step(bucket=...)`)"
-    # (its tensors `ps`, their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for
-    # weight decay, `num` its row of `device_numbers`)
-    decay,l2,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,avg_step = num.unbind()
-    if any(wd):   # (a flag each, not a second list of the same tensors: a compiled function would see them aliased)
-        dec = [p for p,w in zip(ps, wd) if w]
-        if decouple_wd: torch._foreach_mul_(dec, decay)
-        else: torch._foreach_add_([g for g,w in zip(grads, wd) if w], torch._foreach_mul(dec, l2))
-    if steppers == 'sgd':
-        if momentum: torch._foreach_mul_(avgs, mom); torch._foreach_add_(avgs, grads)
-        else: avgs = grads
-        torch._foreach_add_(ps, torch._foreach_mul(avgs, grad_step)); return
-    torch._foreach_mul_(avgs, mom); torch._foreach_add_(avgs, torch._foreach_mul(grads, damp))
-    g2 = torch._foreach_mul(grads, grads); torch._foreach_mul_(g2, sqr_damp)
-    torch._foreach_mul_(sqrs, sqr_mom); torch._foreach_add_(sqrs, g2)
-    torch._foreach_copy_(bufs, sqrs); torch._foreach_div_(bufs, debias2); torch._foreach_sqrt_(bufs)
-    torch._foreach_add_(bufs, eps, alpha=1)   # (`alpha` picks the overload that reads the tensor on the device: without it, torch reads it on the host)
-    u = torch._foreach_div(avgs, bufs); torch._foreach_mul_(u, grad_step); torch._foreach_add_(ps, u)
-    if steppers == 'radam': torch._foreach_add_(ps, torch._foreach_mul(avgs, avg_step))
-
 @patch
 @torch.no_grad()
 def device_step(self:ForeachOptimizer, bucket=bucket_step):
     "This step's kernels, each reading its numbers from `self.numbers` (`device_numbers` first): what a CUDA graph captures; `bucket` runs each bucket of the plan"
-    # (`bucket`: `bucket_step`, or a compiled `bucket_step`)
-    adam = self.steppers != 'sgd'
+    # (`bucket`: `bucket_step`, or a compiled `bucket_step`; its numbers a row of `self.numbers`, `DeviceOps` by default)
     for b,(g,ps,states,wd) in enumerate(self._plan()):
-        bucket(self.steppers, self.decouple_wd, self.momentum, ps, [p.grad for p in ps],
-               self._state_list(ps, states, 'grad_avg') if adam or self.momentum else None,
-               self._state_list(ps, states, 'sqr_avg') if adam else None, [self._buf(p) for p in ps] if adam else None,
-               wd, self.numbers[b])
+        bucket(self.steppers, self.decouple_wd, self.momentum, *self._bucket_tensors(ps, states), wd, self.numbers[b])
 
 # %% ../nbs/04b_optimizer.ipynb #2f5cfb3b
 class HostReads(TorchDispatchMode):
