@@ -129,7 +129,7 @@ class DeviceOps:
         u = torch._foreach_div(n, d); torch._foreach_mul_(u, a); torch._foreach_add_(ts, u)
 
 def bucket_step(steppers:str, decouple_wd:bool, momentum:bool, ps, grads, avgs, sqrs, bufs, wd, num, ops=DeviceOps, beta=0.):
-    "One bucket of the step (fastai's steppers `steppers` on tensors `ps` at one step count), the optimizer nowhere: what `step` runs with `HostOps` and `device_step` with `DeviceOps` (and `torch.compile` can fuse)"
+    "One bucket of the step: fastai's steppers `steppers` on tensors `ps` at one step count, the optimizer nowhere (`step` runs it with `HostOps`, `device_step` with `DeviceOps`)"
     # (their gradients and states (`avgs`, `sqrs`; `bufs` for Adam's denominator), `wd` a flag each for weight decay,
     # `num` the bucket's `_bucket_numbers`: floats, or their row of `device_numbers`; `beta`: SAdam's, the host's only)
     decay,l2,mom,damp,sqr_mom,sqr_damp,debias2,eps,grad_step,avg_step = num.unbind() if isinstance(num, torch.Tensor) else num
