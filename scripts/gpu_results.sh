@@ -20,7 +20,8 @@
 #                                                          loaders and of a hand-written pipeline, the control), 30,000
 #                                                          JPEGs, 8 runs (the bench's 0.3-s passes varied by +-20% from
 #                                                          run to run on the H100, 2026-12-07); `training`: the bench's
-#                                                          training section, resnet18, 3 epochs, 4 runs
+#                                                          training section without its user-fit rows (either tree),
+#                                                          resnet18, 3 epochs, 4 runs
 #   OUT=DIR bash scripts/gpu_results.sh shards-epochs      from_shards at 1,280,000 + 49,000 JPEGs (64 x 48, 266 tars):
 #                                                          two whole epochs with each batch's wait, DALI's Python workers
 #                                                          8 (the default) and 16
@@ -45,6 +46,7 @@ export PYTHONPATH=$SITE:$PWD MPLBACKEND=Agg PYTHONUNBUFFERED=1
 TMP=${TMPDIR:-/tmp} DEVICE=${DEVICE:-cuda} N=${N:-10000}   # (DEVICE=cpu N=300 BA_N=300 BA_EPOCHS=2 BA_ARGS='--max-batches 2 --archs ""' SCALE_N=3000: a dry run on a CPU machine)
 uf_data() { python3 -c "import sys; sys.path.insert(0, 'scripts'); from user_fit import make_data; make_data('$TMP/uf')"; }   # (written once)
 bench() { python3 -c 'import sys; from fastai_dali.bench import cli; cli(sys.argv[1:])' bench "$@"; }
+bench_no_user_fit() { python3 -c 'import sys, fastai_dali.bench; c = sys.modules["fastai_dali.bench.cli"]; c.user_fit_section = lambda *a, **k: None; c.cli(sys.argv[1:])' bench "$@"; }
 env_txt() { { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c "import nvidia.dali, fastai, torch, sys; print('dali', nvidia.dali.__version__, 'fastai', fastai.__version__, 'torch', torch.__version__, 'python', sys.version.split()[0])"
   git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1; }
@@ -78,7 +80,8 @@ case ${1:-} in
         tail -c 3000 "$TMP/ba_run.txt" > "$OUT/throughput_last_run.txt"
       else
         # (at most 8 files come back from the GPU machine: the bench's json of each run as a line of one file)
-        (cd "$dir" && PYTHONPATH=$SITE:$dir bench "$TMP/bench_data_$n" --device $DEVICE --workers 16 --sections training \
+        # (like for like: the user-fit rows, which this tree's training section adds, left out on both sides)
+        (cd "$dir" && PYTHONPATH=$SITE:$dir bench_no_user_fit "$TMP/bench_data_$n" --device $DEVICE --workers 16 --sections training \
           --archs resnet18 --epochs 3 --repeats 1 ${BA_ARGS:-} --out "$TMP/before_after/training_${k}_$side") > "$OUT/training_${k}_$side.txt" 2>&1
         echo "$k $side: rc $?"
         python3 -c "import json, sys; print(json.dumps(dict(run=$k, side='$side', bench=json.load(open(sys.argv[1])))))" \
@@ -123,6 +126,8 @@ EOF
   extras)
     python3 -m pip install -q --no-index --no-deps --target $SITE .gpu/extra/*.whl && ls $SITE/bin ;;
   suite)
-    SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
+    # (tests handed out one at a time: with a file per process, tests/test_resume.py's 8 kill-and-resume tests alone
+    # outlasted a 320-s call on one process, 2026-12-07)
+    SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} DIST=${DIST:-worksteal} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
   *) sed -n '2,31p' "$0"; exit 2 ;;
 esac
