@@ -11,7 +11,6 @@ RESULTS = ROOT/'docs'/'results'
 
 DALI = "DaliDataLoaders, a Learner's defaults (DaliFastPathCallback) + StepGraphCallback"
 LIMIT = 'plain loop, synthetic, compiled graphs (the limit)'
-SYN = 'model only (synthetic), ForeachAdam, DeviceLossCallback, StepGraphCallback'
 # (the JSON under docs/results, the keys to the figure): the img/s the page quotes, by section
 QUOTED = {
     'throughput/cpu2_bench.json': [('throughput', k, 'img_s') for k in (
@@ -22,20 +21,9 @@ QUOTED = {
         'raw DALI (hand-written: decode, resize, crop, normalize)', 'DaliDataLoaders train', 'ImageDataLoaders train (4 workers)',
         'ImageDataLoaders train (8 workers)', 'ImageDataLoaders train (16 workers)', 'DaliDataLoaders train + aug_transforms()',
         'raw DALI aug (hand-written)', 'DaliDataLoaders train, get_x -> bytes (external_source)',
-        'DaliDataLoaders train, hw_decoder_load=1.0')] + [('fit_img_s', 'resnet18', k) for k in (
-        'model only (synthetic batches on the GPU)', 'DaliDataLoaders', 'ImageDataLoaders (16 workers)')],
-    'training/h200_training_graphs_resnet18.json': [
-        ('fit_img_s', 'resnet18', 'DaliDataLoaders, ForeachAdam, DeviceLossCallback, torch.compile (reduce-overhead)')],
-    'training/h200_training_graph_callback_resnet18.json': [
-        ('fit_img_s', 'resnet18', 'DaliDataLoaders, ForeachAdam, DeviceLossCallback, CudaGraphCallback')],
-    'training/h100_step_graph_loader.json': [('resnet18', k, 'img_s', 0) for k in ('synthetic', 'loader defaults', 'dynamic executor')],
-    'training/h100_graphs_without_compile.json': [('resnet18', k, 'median') for k in (
-        LIMIT, "DaliDataLoaders, a Learner's defaults (DaliFastPathCallback) + CudaGraphCallback", DALI)],
+        'DaliDataLoaders train, hw_decoder_load=1.0')],
     'training/h100_work_queues.json': [('step_graph_loader', k, 'img_s', 0) for k in ('loader defaults', 'CUDA_DEVICE_MAX_CONNECTIONS=32')]
         + [('graphs_without_compile', a, 'StepGraphCallback', '32 queues', 'median') for a in ('resnet18', 'resnet50')],
-    'training/h100_fit_factors.json': [('graphs_without_compile', a, k, 'median') for a in ('resnet18', 'resnet50') for k in (LIMIT, DALI)]
-        + [('run5', 'graphs_without_compile', a, k, 'median') for a in ('resnet18', 'resnet50')
-           for k in (SYN, SYN + '(compile_opt=True)', DALI, DALI + '(compile_opt=True)')],
     'training/h200_fit_limit.json': [('graphs_without_compile', a, k, 'median') for a in ('resnet18', 'resnet50')
                                      for k in (LIMIT, DALI, DALI + ', RandomResizedCrop + aug_transforms()')],
 }
