@@ -3,7 +3,7 @@
 # (`pip install --target /tmp/site ...`; the package itself is imported from this source tree).
 # Usage: OUT=DIR bash scripts/gpu_suite.sh RUN [extra] [PROCS]   RUN names the output files; extra: resize | commands | loaders | training | losses | gpus | none;
 # SKIP_SUITE=1 runs the extra alone;
-# PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`,
+# PROCS > 1 runs the suite in that many processes, one test file each at a time (pytest-xdist, `-n PROCS --dist loadfile`, the default here;
 # or DIST=worksteal: tests handed out one at a time;
 # pytest-xdist's wheels are installed from .whl/ if it is missing). Runs the whole GPU suite in one go
 # (FASTAI_DALI_TEST_DEVICE=cuda pytest -q tests; the bad-input tests log their measured |DALI - fastai| to

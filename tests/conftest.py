@@ -140,8 +140,9 @@ def build_at_once(*dls, timeout=300):
         for f in [ex.submit(dl.one_batch) for dl in dls]: f.result(timeout)  # a hang: TimeoutError, a failure: its error
     finally: ex.shutdown(wait=False)
 
-# The GPU suite runs in several processes, a test file each at a time (pytest-xdist `--dist loadfile`), and lasts as long
-# as its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
+# The GPU suite runs in several processes (pytest-xdist; `gpu_results.sh suite` hands the tests out one at a time,
+# `--dist worksteal`: under `--dist loadfile`, a file per process, test_resume.py's 8 tests of 40-100 s each alone outlasted
+# a 320-s call, H100 2026-12-07), and lasts as long as its busiest process. The files go out longest first, by each file's seconds in a GPU run summed over its tests
 # (H100, run 35 of 2026-12-07, 6 processes: test_step_graph 251, test_lifecycle 209, test_parity 195, test_training 170,
 # test_abandoned_epochs 164, test_augment 130, test_factories 130, test_item_order 114, ...), so that no long file starts
 # last. `test_resume.py` goes first: runs 34 and 35 began it last and the limit cut it after 172 s with 5 of its 8 tests
