@@ -12,7 +12,9 @@ from fastai_dali.bench import (fit_workers, fastest_workers, throughput_targets,
 from fastai_dali.bench.core import ROW_RAW
 
 from test_user_commands import not_dalis_codec_notices  # DALI's notices that optional codec libraries are missing
-ENV = {**os.environ, 'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
+# (without the runner's console size: pytest-xdist's processes set COLUMNS=80, and the bars' labels are clipped to fit)
+ENV = {**{k: v for k,v in os.environ.items() if k not in ('COLUMNS', 'LINES')},
+       'PYTHONWARNINGS': 'ignore::FutureWarning:torch.jit._script', 'MPLBACKEND': 'Agg'}
 # what reads like a failure: kineto's lines ("USDT: ... profiler_start", "ERROR: ... gpuGetDeviceCount failed"), the
 # old "MISS" lines of the goals, any error or warning
 _ALARMING = re.compile(r'ERROR|gpuGetDeviceCount|USDT|WARNING|Warning|Traceback|^MISS ', re.M)
@@ -96,8 +98,9 @@ def test_bars_say_what_they_time(capsys, monkeypatch):
         assert s in out, (s, out[-2000:])
 
 def _two_cores():
-    "A small machine: this process's first two cores (fastai's `defaults.cpus` counts the cores a process may run on)"
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+    "A small machine: the run's first two cores (fastai's `defaults.cpus` counts the cores a process may run on; in pytest-xdist's processes, each kept to its share of the cores by conftest, the run's)"
+    run = os.environ.get('FASTAI_DALI_RUN_CORES')
+    os.sched_setaffinity(0, sorted(map(int, run.split(',')) if run else os.sched_getaffinity(0))[:2])
 
 @pytest.mark.skipif(DEVICE != 'cpu', reason='a 2-core machine without a GPU: CI runs this (the GPU suite: test_bench_command)')
 def test_bench_command_on_a_small_machine(tmp_path):
@@ -127,3 +130,5 @@ def test_bench_command_on_a_small_machine(tmp_path):
     bars = re.findall(r'\|([█-]*)\| [\d.]+% \[', r.stdout)
     assert bars and min(map(len, bars)) >= 8, (bars, r.stdout[-3000:])
     assert '### Goals' in (out/'bench.md').read_text()
+    # on the CPU the bench leaves the process's CUDA work queues as they were (on a GPU it asks for 32, as the README advises)
+    assert res['machine']['work_queues'] == ENV.get('CUDA_DEVICE_MAX_CONNECTIONS'), res['machine']

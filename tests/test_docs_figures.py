@@ -22,8 +22,7 @@ QUOTED = {
         'ImageDataLoaders train (8 workers)', 'ImageDataLoaders train (16 workers)', 'DaliDataLoaders train + aug_transforms()',
         'raw DALI aug (hand-written)', 'DaliDataLoaders train, get_x -> bytes (external_source)',
         'DaliDataLoaders train, hw_decoder_load=1.0')],
-    'training/h100_work_queues.json': [('step_graph_loader', k, 'img_s', 0) for k in ('loader defaults', 'CUDA_DEVICE_MAX_CONNECTIONS=32')]
-        + [('graphs_without_compile', a, 'StepGraphCallback', '32 queues', 'median') for a in ('resnet18', 'resnet50')],
+    'training/h100_user_script.json': [('calls', 'D', f'rows{q}', 0, 'median_ips') for q in (8, 32)],   # the work queues' gain
     'training/h200_fit_limit.json': [('graphs_without_compile', a, k, 'median') for a in ('resnet18', 'resnet50')
                                      for k in (LIMIT, DALI, DALI + ', RandomResizedCrop + aug_transforms()')],
 }

@@ -126,7 +126,9 @@ def fitted(learn, lr=1e-2, epochs=2):
 def classifier(root):
     set_seed(0)
     dls = DaliDataLoaders.from_folder(root, item_tfms=Resize(32), bs=4, device=DEVICE)
-    return fitted(vision_learner(dls, resnet18, pretrained=False), 1e-3)   # (1e-2 saturates its softmax on these 12 images)
+    # (1e-2 and 3e-3 saturate its softmax on these 12 images; 1e-3 for 2 epochs left 2 to 5 of the 9 predictions far from a
+    # tie, with torch on 1 or 2 threads (the test's guard wants half); for 4 epochs 8 and 9 of 9, spread 0.12 and 0.16)
+    return fitted(vision_learner(dls, resnet18, pretrained=False), 1e-3, epochs=4)
 
 def files_df(root, seed=0):
     "A DataFrame of `root`'s images (relative names, `is_valid` from their folder) with random labels and points"

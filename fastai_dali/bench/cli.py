@@ -5,7 +5,7 @@
 # %% ../../nbs/07i_bench_cli.ipynb #17a188f2
 from __future__ import annotations
 from pathlib import Path
-import torch
+import os, torch
 from ..core import *
 from ..samples import make_bench_dataset
 from .core import *
@@ -33,7 +33,9 @@ def run_bench(path=None, n=10000, bs=128, size=224, workers=None, device=None, r
               sections=DEFAULT_SECTIONS, py_workers=None, parity_n=150, scale_n=None, scale_classes=1000, scale_shards=None,
               scale_mixed=False, scale_root=None, scale_epochs=0):
     "Time raw DALI, `DaliDataLoaders` and `ImageDataLoaders` (and training) in one run, for `sections`; write bench.{json,md,png} to `out`. `workers`, `py_workers`: None fits the machine (`fit_workers`)"
-    queues = set_work_queues()   # (first: its training rows run as the README says a fit with StepGraphCallback should)
+    # (first, on a GPU: its training rows run as the README says a fit with StepGraphCallback should; `device='cpu'` leaves
+    # the process's variable alone)
+    queues = set_work_queues() if device != 'cpu' else os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')
     from fastai.vision.all import Resize, Normalize, imagenet_stats
     import fastai, nvidia.dali, platform
     from fastai_dali.data import DaliDataLoaders
