@@ -16,12 +16,12 @@ __all__ = ['run_demo', 'main']
 def run_demo(path=None, n_train=60, n_valid=15, size=64, bs=32, epochs=1, arch='resnet18', device=None, warmup=2):
     "Train `arch` for `epochs` on `DaliDataLoaders` over `path` (default: a generated folder); a dict of results"
     from fastai.vision.all import vision_learner, accuracy, Resize, Normalize, imagenet_stats, models
-    from fastai_dali.all import DaliDataLoaders, ForeachAdam   # (as a user imports it: the fast path a Learner takes is registered there)
+    from fastai_dali.all import DaliDataLoaders   # (as a user imports it: the fast path a Learner takes is registered there)
     if path is None: path = make_image_folder(scratch_dir()/'photos', n_train=n_train, n_valid=n_valid)
     dls = DaliDataLoaders.from_folder(path, item_tfms=Resize(size), batch_tfms=Normalize.from_stats(*imagenet_stats),
                                       bs=bs, device=device)
-    # fastai's Adam on torch's foreach kernels: the same parameters, 1.4-1.6x the training img/s on the H200 (04b_optimizer)
-    learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy, opt_func=ForeachAdam)
+    # (fastai's defaults: over DaliDataLoaders they take the fast path, fastai's Adam on torch's foreach kernels)
+    learn = vision_learner(dls, getattr(models, arch), pretrained=False, metrics=accuracy)
     timer = train_timer(warmup)
     t0 = time.perf_counter()
     learn.fit_one_cycle(epochs, 1e-3, cbs=timer)

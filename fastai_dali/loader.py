@@ -49,9 +49,23 @@ class DaliReport(pd.DataFrame):
 class DaliDL(TfmdDL):
     "A `TfmdDL` that loads and transforms its batches with a DALI pipeline"
     _dali_args = 'num_threads,prefetch,seed,shard_id,num_shards,py_workers,hw_decoder_load,host_memory_padding,exact_resize_crop,roi_decode,checkpointing'.split(',')
-    def __init__(self, dataset, bs:int=64, shuffle:bool=False, num_threads:int=None, prefetch:int=2, seed:int=None,
-                 shard_id:int=0, num_shards:int=1, py_workers:int=None, hw_decoder_load:float=1.0, host_memory_padding:int=None,
-                 exact_resize_crop:bool=False, roi_decode:bool=None, checkpointing:bool=False, **kwargs):
+    def __init__(self,
+        dataset,                         # fastai's `Datasets` subset (its items, their types and transforms), as for `TfmdDL`
+        bs:int=64,                       # batch size
+        shuffle:bool=False,              # a new order each epoch (the training loader)
+        num_threads:int=None,            # DALI's CPU threads (None: the cores this process may run on)
+        prefetch:int=2,                  # batches DALI prepares ahead
+        seed:int=None,                   # DALI's random draws: order, crops, augmentations (None: from the loader's `rng`)
+        shard_id:int=0,                  # this loader's shard of the items, of `num_shards` (several GPUs: `distributed`)
+        num_shards:int=1,                # how many shards the items are split into
+        py_workers:int=None,             # worker processes for a Python source, a `get_x` giving bytes (None: min(8, cores); 0: this process)
+        hw_decoder_load:float=1.0,       # on the GPU, the share of JPEGs given to the hardware decoder
+        host_memory_padding:int=None,    # on the GPU, bytes of each of the decoder's pinned host buffers, two a thread (None: DALI's)
+        exact_resize_crop:bool=False,    # every `Resize` window computed as fastai's float64 arithmetic does (slower)
+        roi_decode:bool=None,            # decode only a random crop's window (None: on the CPU backend only)
+        checkpointing:bool=False,        # keep what a checkpoint needs, to resume mid-epoch (`ResumeCallback`)
+        **kwargs                         # fastai's `TfmdDL` arguments (`drop_last`, `after_batch`, ...)
+    ):
         if bs is None or int(bs) < 1: raise ValueError(f"bs={bs!r}: the batch size must be an integer >= 1")
         if not 0 <= shard_id < num_shards: raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         kwargs['num_workers'] = 0  # DALI's threads do the work
