@@ -67,3 +67,9 @@ def test_work_queues_asked_after_the_imports():
             'from fastai_dali.all import *; print("QUEUES", set_work_queues())')
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=300)
     eq([l for l in r.stdout.splitlines() if l.startswith('QUEUES')], ['QUEUES 32'])
+
+def test_commands_change_what_all_changes():
+    "The bench and the demo, commands that run what users import, make `all`'s changes and no others (the README says so)"
+    want = changes('from fastai_dali.all import *')
+    c = changes('import fastai_dali.bench, fastai_dali.bench.cli, fastai_dali.demo')
+    eq({k: c[k] for k in ('added', 'changed', 'env', 'callbacks')}, {k: want[k] for k in ('added', 'changed', 'env', 'callbacks')})
