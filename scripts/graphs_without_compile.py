@@ -217,7 +217,7 @@ def one_row(out, a, k, root, epochs=3):
     else:
         ep = make[k](); runs = [ep() for _ in range(epochs)]
         r = dict(arch=a, row=k, runs=runs[1:], median=float(sorted(runs[1:])[len(runs[1:])//2]) if len(runs) > 2 else runs[-1])
-    r['CUDA_DEVICE_MAX_CONNECTIONS'] = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')   # (in force: fastai_dali sets 32 unless set)
+    r['CUDA_DEVICE_MAX_CONNECTIONS'] = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')   # (in force for this row: the caller's environment; CUDA's 8 where unset)
     print(json.dumps(r), flush=True)
 
 def main(out, archs='resnet18,resnet50', root=os.path.join(tempfile.gettempdir(), 'bt/data_10000'), traces='1', rows=None):

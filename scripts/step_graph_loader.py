@@ -5,7 +5,7 @@ Each variant in a process of its own (resnet18 by default; bf16, channels_last, 
 `make_bench_dataset`, the fast path + `StepGraphCallback`): a warm-up fit of one epoch, a timed one, then one epoch under
 cProfile, whose DALI `share_outputs` time is the host waiting for the loader's next batch. Variants: synthetic batches
 (no loader), the loader's defaults, `prefetch` 3, 4 and 6, `num_threads` 6 and 8, DALI's dynamic executor,
-`CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (fastai_dali's since `set_work_queues`), the decoder without
+`CUDA_DEVICE_MAX_CONNECTIONS` 8 (CUDA's default) and 32 (what `set_work_queues()` asks for), the decoder without
 interpolated chroma (`jpeg_fancy_upsampling=False`), `hw_decoder_load` 0 and 0.65, the batches fetched by a thread
 of their own (`fetch_ahead`). For the variants in
 `TRACED`, a torch.profiler trace of one epoch, its kernels split by CUDA stream (the graph's, DALI's: each stream's
