@@ -6,7 +6,7 @@ Console scripts pass what their entry point returns to `sys.exit`: anything but 
 stderr. fastai's import warns that `torch.jit.script` is deprecated (torch >= 2.10): not ours, so filtered out; so are
 DALI's notices, on a machine with a GPU, that nvImageCodec's optional JPEG 2000 and TIFF libraries are not installed.
 """
-import ast, json, os, re, subprocess, sys, textwrap
+import ast, json, os, re, shutil, subprocess, sys, textwrap
 from configparser import ConfigParser
 from importlib import metadata
 from pathlib import Path
@@ -186,6 +186,14 @@ def test_ci_runs_the_tests_on_a_users_install():
     ci = (ROOT/'.ci'/'run').read_text()
     user = ci[ci.index('pip install -q -e ".[cuda120,test]"'):]
     assert 'pytest -q tests' in user and 'dev' not in user.split('\n')[0], user[:300]
+
+def test_ci_stops_early_naming_a_full_disk(tmp_path):
+    "Too little disk: .ci/run stops before installing anything, saying where and how much, not pip's bare ENOSPC later"
+    (tmp_path/'.ci').mkdir(); shutil.copy(ROOT/'.ci'/'run', tmp_path/'.ci'/'run')
+    r = subprocess.run(['bash', str(tmp_path/'.ci'/'run')], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, 'CI_NEED_GB': '1000000'})
+    assert r.returncode == 1 and 'GB free on /' in r.stderr and 'CI needs about 1000000 GB' in r.stderr, r.stderr
+    assert not (tmp_path/'.venv').exists() and '::: disk:' in r.stdout, r.stdout
 
 def test_shards_command_as_installed(tmp_path):
     "`fastai-dali-shards`, the shard writer's own console command (settings.ini's console_scripts), as a user runs it"
