@@ -9,8 +9,12 @@
 #   OUT=DIR bash scripts/gpu_results.sh user-fit-rows      scripts/user_fit.py's rows user, user_warm (torch's compile caches
 #                                                          warm, a new process), one_graph_opt, one_graph_opt_warm,
 #                                                          no_compile_opt: a process each
-#   OUT=DIR bash scripts/gpu_results.sh user-fit-bar       its rows defaults, defaults_no_bar (a process each); then
-#                                                          scripts/warm_compile.py (compiles' parts, cold and warm)
+#   OUT=DIR bash scripts/gpu_results.sh user-fit-bar       its rows defaults, defaults_no_bar, a process each, in ABBA order
+#                                                          four times a side (their epochs vary by up to 13% within a row,
+#                                                          H100 2026-12-07: one row a side cannot resolve a 2% cost); prints
+#                                                          each side's median of its epochs after the first
+#   OUT=DIR bash scripts/gpu_results.sh warm-compile       scripts/warm_compile.py (the compiles' parts, cold and warm; with
+#                                                          the 8 rows above it outlasted a 300-s call, 2026-12-07)
 #   OUT=DIR bash scripts/gpu_results.sh before-after DIR PART
 #                                                          the package in DIR (an earlier tree: `git archive COMMIT
 #                                                          fastai_dali | tar -x -C DIR`) against this tree, each run a new
@@ -62,7 +66,14 @@ case ${1:-} in
     python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 user,user_warm,one_graph_opt,one_graph_opt_warm,no_compile_opt 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600 ;;
   user-fit-bar)
     uf_data
-    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 defaults,defaults_no_bar 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
+    abba=defaults,defaults_no_bar,defaults_no_bar,defaults
+    python3 scripts/user_fit.py "$OUT" "$TMP/uf" resnet18 4 $abba,$abba 2>&1 | tee "$OUT/user_fit_rows.txt" | cut -c1-600
+    python3 -c "import json, statistics, sys; rows = json.load(open(sys.argv[1]))
+for side in ('defaults', 'defaults_no_bar'):
+    e = [x for r in rows if r['row'] == side for x in r['epochs_ips'][1:]]
+    print(side, 'median of', len(e), 'epochs:', round(statistics.median(e)), 'each process:', [round(r['median_ips']) for r in rows if r['row'] == side])" \
+      "$OUT/user_fit_resnet18.json" | tee "$OUT/user_fit_bar_summary.txt" ;;
+  warm-compile)
     python3 scripts/warm_compile.py "$OUT" "$DEVICE" resnet18 2>&1 | tee "$OUT/warm_compile.txt" | cut -c1-400 ;;
   before-after)
     before=$(cd "${2:?before-after DIR PART}" && pwd); part=${3:?before-after DIR PART: throughput or training}
@@ -129,5 +140,5 @@ EOF
     # (tests handed out one at a time: with a file per process, tests/test_resume.py's 8 kill-and-resume tests alone
     # outlasted a 320-s call on one process, 2026-12-07)
     SUITE_TIMEOUT=${SUITE_TIMEOUT:-540} DIST=${DIST:-worksteal} OUT=$OUT bash scripts/gpu_suite.sh "${2:-35}" none 6 ;;
-  *) sed -n '2,31p' "$0"; exit 2 ;;
+  *) sed -n '2,35p' "$0"; exit 2 ;;
 esac
