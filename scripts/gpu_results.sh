@@ -10,7 +10,7 @@
 #                                                          warm, a new process), one_graph_opt, one_graph_opt_warm,
 #                                                          no_compile_opt: a process each
 #   OUT=DIR bash scripts/gpu_results.sh user-fit-bar       its rows defaults, defaults_no_bar, a process each, in ABBA order
-#                                                          four times a side (their epochs vary by up to 13% within a row,
+#                                                          four times a side (their epochs vary by up to 11% within a row,
 #                                                          H100 2026-12-07: one row a side cannot resolve a 2% cost); prints
 #                                                          each side's median of its epochs after the first
 #   OUT=DIR bash scripts/gpu_results.sh warm-compile       scripts/warm_compile.py (the compiles' parts, cold and warm; with
